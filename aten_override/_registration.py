@@ -1,0 +1,290 @@
+r"""The only module that touches aten's dispatcher.
+
+Lifecycle
+---------
+``aten::convolution_backward`` is ``CompositeExplicitAutograd, CUDA: convolution_backward`` in
+native_functions.yaml. While at least one :func:`push` is active (or :func:`pin` holds it), one
+``torch.library.Library("aten", "IMPL")`` registers :func:`_kernel` for the **CPU** and **CUDA**
+dispatch keys. Before registering, the kernels those keys computed are captured with
+``torch.library.get_kernel``: they are the ``aten`` backend, every fallback, and the reference of
+the tests. When the last ``push`` is popped the library is destroyed and the dispatcher is exactly
+as before (``torch._C._dispatch_dump("aten::convolution_backward")`` shows no trace of us).
+Interpreter exit destroys it too.
+
+Threads
+-------
+The dispatcher is process-global and autograd runs CUDA backward on its own worker threads, so
+the active backend is process-global, not thread-local: the most recently pushed entry that is
+still active wins, whichever thread pushed it. Pushes and pops are serialised by a lock; the kernel
+reads the active backend once per call, so every call is served wholly by one implementation.
+Registering and deregistering write the dispatcher's table while other threads may be reading it
+without a lock (upstream's design, pytorch#8713); a program that enters and leaves :func:`enable`
+while *other* threads run backward should hold :func:`pin` (``aten_override.install()``), after
+which entering and leaving only flips the active backend and never writes the dispatcher.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.library import Library, get_kernel
+
+from .backends import ATEN_IMPL, Implementation
+from .ops.convolution_backward.args import ConvolutionBackwardArgs
+
+__all__ = [
+    "OP",
+    "push",
+    "pop",
+    "pin",
+    "unpin",
+    "is_registered",
+    "active_backend",
+    "original_kernel",
+    "call_original",
+    "stats",
+    "reset_stats",
+    "set_observer",
+    "Decision",
+]
+
+OP = "aten::convolution_backward"
+DISPATCH_KEYS = ("CPU", "CUDA")
+_OVERRIDE_WARNING = r"(?s).*Overriding a previously registered kernel.*"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one call was served: ``backend`` ran it; ``requested`` was active; ``reason`` says why the
+    original kernel ran instead of ``requested`` (``None`` when it was not a fallback)."""
+
+    requested: str
+    backend: str
+    reason: str | None = None
+
+    @property
+    def fallback(self) -> bool:
+        return self.reason is not None
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.stack: list[tuple[int, Implementation]] = []
+        self.tokens = itertools.count(1)
+        self.pins = 0
+        self.library: Library | None = None
+        self.originals: dict[str, torch._C._SafeKernelFunction] = {}
+        # Read without the lock by _kernel: one attribute load is atomic under the GIL.
+        self.active: Implementation | None = None
+        self.observer: Callable | None = None
+        self.counts: Counter = Counter()
+        self.fallback_reasons: Counter = Counter()
+        self.counts_lock = threading.Lock()
+
+
+_state = _State()
+
+
+# --- the kernel ----------------------------------------------------------------------------
+
+
+def _device_key(keyset) -> str:
+    return "CUDA" if keyset.has(torch._C.DispatchKey.CUDA) else "CPU"
+
+
+def call_original(keyset, aten_args: tuple):
+    """Run the captured original kernel for ``keyset``'s device (no re-dispatch)."""
+    return _state.originals[_device_key(keyset)].call_boxed(keyset, *aten_args)
+
+
+def _route(keyset, aten_args: tuple, impl: Implementation):
+    """Serve one call with ``impl`` (or the original kernel); returns ``(result, Decision)``."""
+    if impl.is_aten:
+        return call_original(keyset, aten_args), Decision(impl.name, impl.name)
+    args = ConvolutionBackwardArgs(*aten_args)
+    chosen, reason = impl.select(args)
+    if chosen.is_aten:
+        return call_original(keyset, aten_args), Decision(impl.name, chosen.name, reason)
+    try:
+        result = chosen(args)
+    except Exception as e:
+        e.add_note(f"aten_override: raised by backend {chosen.name!r} serving {OP}; the dispatcher is unchanged")
+        raise
+    return result, Decision(impl.name, chosen.name)
+
+
+def _kernel(keyset, *aten_args):
+    impl = _state.active
+    if impl is None:  # popped between the dispatcher's lookup and this call
+        impl = ATEN_IMPL
+    observer = _state.observer
+    if observer is not None:
+        result, decision = observer(keyset, aten_args, impl, _route)
+    else:
+        result, decision = _route(keyset, aten_args, impl)
+    _count(decision)
+    return result
+
+
+def _count(decision: Decision) -> None:
+    with _state.counts_lock:
+        _state.counts[decision.backend] += 1
+        if decision.reason is not None:
+            _state.counts["fallback"] += 1
+            _state.fallback_reasons[f"{decision.requested}: {decision.reason}"] += 1
+
+
+# --- registration lifecycle ----------------------------------------------------------------
+
+
+def _capture_originals() -> dict[str, torch._C._SafeKernelFunction]:
+    return {key: get_kernel(OP, key) for key in DISPATCH_KEYS}
+
+
+def _register() -> None:
+    if _state.library is not None:
+        return
+    originals = _capture_originals()
+    lib = Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            # Overriding the CUDA key replaces a real kernel; upstream warns once per process.
+            warnings.filterwarnings("ignore", message=_OVERRIDE_WARNING, category=UserWarning)
+            for key in DISPATCH_KEYS:
+                lib.impl("convolution_backward", _kernel, key, with_keyset=True)
+    except BaseException:
+        lib._destroy()
+        raise
+    _state.originals = originals
+    _state.library = lib
+
+
+def _deregister() -> None:
+    lib, _state.library = _state.library, None
+    if lib is not None:
+        lib._destroy()
+
+
+def _sync_registration() -> None:
+    if _state.stack or _state.pins:
+        _register()
+    else:
+        _deregister()
+
+
+def push(impl: Implementation) -> int:
+    """Make ``impl`` the active backend (registering if needed); returns a token for :func:`pop`."""
+    with _state.lock:
+        token = next(_state.tokens)
+        _state.stack.append((token, impl))
+        try:
+            _sync_registration()
+        except BaseException:
+            _state.stack.pop()
+            raise
+        _state.active = impl
+        return token
+
+
+def pop(token: int) -> None:
+    """Undo the :func:`push` that returned ``token``; the previous active backend comes back, and
+    with the last one the dispatcher is restored."""
+    with _state.lock:
+        for i, (t, _) in enumerate(_state.stack):
+            if t == token:
+                del _state.stack[i]
+                break
+        else:
+            raise RuntimeError(f"aten_override: token {token} is not active (popped twice?)")
+        _state.active = _state.stack[-1][1] if _state.stack else None
+        _sync_registration()
+
+
+def pin() -> None:
+    """Keep the registration installed until the matching :func:`unpin`, even with no active
+    backend (calls then run the original kernel). Use while other threads run backward and this one
+    enters and leaves :func:`enable`: no dispatcher writes happen in between."""
+    with _state.lock:
+        _state.pins += 1
+        try:
+            _sync_registration()
+        except BaseException:
+            _state.pins -= 1
+            raise
+
+
+def unpin() -> None:
+    with _state.lock:
+        if _state.pins == 0:
+            raise RuntimeError("aten_override: uninstall() without a matching install()")
+        _state.pins -= 1
+        _sync_registration()
+
+
+def is_registered() -> bool:
+    """Whether our kernel is registered at the dispatcher right now."""
+    return _state.library is not None
+
+
+def active_backend() -> str | None:
+    """The name of the backend new calls go to, or ``None`` when none is enabled."""
+    impl = _state.active
+    return None if impl is None else impl.name
+
+
+def original_kernel(device_type: str = "cpu") -> Callable:
+    """The original ``aten::convolution_backward`` kernel of ``device_type``'s dispatch key, callable
+    with the aten arguments. Captured before we register; when nothing is registered it is captured
+    now."""
+    key = "CUDA" if device_type == "cuda" else "CPU"
+    with _state.lock:
+        kernel = _state.originals.get(key) if _state.library is not None else get_kernel(OP, key)
+    keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+    def call(*aten_args):
+        return kernel.call_boxed(keyset, *aten_args)
+
+    call.__name__ = f"original_convolution_backward_{key.lower()}"
+    return call
+
+
+def set_observer(observer: Callable | None) -> Callable | None:
+    """Install ``observer(keyset, aten_args, impl, route) -> (result, Decision)`` around every call
+    (the tracer); returns the previous one. ``None`` removes it: then the kernel's path has no hook."""
+    with _state.lock:
+        previous, _state.observer = _state.observer, observer
+        return previous
+
+
+def stats() -> dict[str, object]:
+    """Calls served per backend since :func:`reset_stats`: ``{"python": n, "aten": n, "fallback": n,
+    "fallback_reasons": {"python: <reason>": n}}``. ``fallback`` counts calls the requested backend
+    handed to the original kernel (they are counted under ``aten`` too)."""
+    with _state.counts_lock:
+        out: dict[str, object] = dict(_state.counts)
+        out["fallback_reasons"] = dict(_state.fallback_reasons)
+    return out
+
+
+def reset_stats() -> None:
+    with _state.counts_lock:
+        _state.counts.clear()
+        _state.fallback_reasons.clear()
+
+
+@atexit.register
+def _restore_at_exit() -> None:
+    with _state.lock:
+        _state.stack.clear()
+        _state.pins = 0
+        _state.active = None
+        _deregister()
+

@@ -1,0 +1,230 @@
+r"""Backends of ``aten::convolution_backward``: the :class:`Backend` enum and the implementations.
+
+A backend says what it supports as data: :meth:`Implementation.unavailable_reason` (the backend as
+a whole, e.g. the compiled extension is not built) and :meth:`Implementation.unsupported_reason`
+(one call, e.g. an integer dtype). A call a backend does not serve falls back to the original ATen
+kernel with that reason recorded. ``AUTO`` walks :data:`AUTO_PRIORITY` and always ends at ``ATEN``.
+
+Nothing here touches the dispatcher; :mod:`aten_override._registration` does.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Union
+
+import torch
+
+from .ops.convolution_backward import python_impl
+from .ops.convolution_backward.args import ConvolutionBackwardArgs, check_args
+
+__all__ = [
+    "Backend",
+    "Implementation",
+    "AUTO_PRIORITY",
+    "resolve",
+    "implementation",
+    "availability",
+]
+
+
+class Backend(str, enum.Enum):
+    """Which implementation serves ``aten::convolution_backward``. Plain strings work too."""
+
+    AUTO = "auto"
+    """The first available backend of :data:`AUTO_PRIORITY` that supports the call."""
+    ATEN = "aten"
+    """The original ATen kernel, captured with ``torch.library.get_kernel`` before overriding."""
+    PYTHON = "python"
+    """:mod:`aten_override.ops.convolution_backward.python_impl`, built from other ATen ops."""
+    COMPILED = "compiled"
+    """The C++ extension (:mod:`aten_override.ops.convolution_backward.compiled`)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Implementation:
+    """One backend. Subclasses set :attr:`name` and implement :meth:`__call__`.
+
+    ``__call__(args)`` returns ``(grad_input, grad_weight, grad_bias)`` with ``None`` where
+    ``args.output_mask`` is False, and raises ``RuntimeError`` for invalid arguments.
+    """
+
+    name: str = "?"
+    is_aten: bool = False
+
+    def unavailable_reason(self) -> str | None:
+        """Why the backend cannot be used at all in this process, or ``None``."""
+        return None
+
+    def unsupported_reason(self, args: ConvolutionBackwardArgs) -> str | None:
+        """Why this call goes to the original kernel instead, or ``None`` when served."""
+        return None
+
+    def select(self, args: ConvolutionBackwardArgs) -> tuple[Implementation, str | None]:
+        """The implementation that serves ``args`` and, if it is the original kernel, why."""
+        reason = self.unsupported_reason(args)
+        return (ATEN_IMPL, reason) if reason is not None else (self, None)
+
+    def __call__(self, args: ConvolutionBackwardArgs):
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<aten_override backend {self.name!r}>"
+
+
+class _Aten(Implementation):
+    """Marker for the original kernel; :mod:`._registration` calls it with the dispatch keyset."""
+
+    name = Backend.ATEN.value
+    is_aten = True
+
+
+class _Python(Implementation):
+    name = Backend.PYTHON.value
+
+    def unsupported_reason(self, args):
+        return python_impl.unsupported_reason(args)
+
+    def __call__(self, args):
+        return python_impl.convolution_backward(args)
+
+
+class _Compiled(Implementation):
+    name = Backend.COMPILED.value
+
+    def _module(self):
+        from .ops.convolution_backward import compiled
+
+        return compiled
+
+    def unavailable_reason(self):
+        return self._module().unavailable_reason()
+
+    def unsupported_reason(self, args):
+        return self._module().unsupported_reason(args)
+
+    def __call__(self, args):
+        return self._module().convolution_backward(args)
+
+
+class FunctionBackend(Implementation):
+    """A user's own backend: a function with the aten signature
+
+    ``fn(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+    output_padding, groups, output_mask) -> (grad_input, grad_weight, grad_bias)``.
+
+    Arguments are validated (:func:`check_args`) before ``fn`` sees them, and its result is checked
+    for the right ``None`` pattern, shapes and dtypes.
+    """
+
+    def __init__(self, fn: Callable, name: str | None = None):
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", "custom")
+
+    def __call__(self, args):
+        check_args(args, self.name)
+        result = self.fn(*args.as_aten_args())
+        _check_result(args, result, self.name)
+        return tuple(result)
+
+
+def _check_result(args: ConvolutionBackwardArgs, result, backend: str) -> None:
+    """Raise ``RuntimeError`` if a backend's result breaks the schema's contract."""
+    if not isinstance(result, (tuple, list)) or len(result) != 3:
+        raise RuntimeError(
+            f"convolution_backward[{backend}]: expected a tuple (grad_input, grad_weight, grad_bias), got {type(result).__name__}"
+        )
+    expected = (args.input.shape, args.weight.shape, None)
+    for i, (name, t, shape) in enumerate(zip(("grad_input", "grad_weight", "grad_bias"), result, expected)):
+        wanted = bool(args.output_mask[i])
+        if not wanted:
+            if t is not None:
+                raise RuntimeError(f"convolution_backward[{backend}]: {name} must be None when output_mask[{i}] is False")
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise RuntimeError(f"convolution_backward[{backend}]: {name} is {type(t).__name__}, expected a Tensor")
+        if shape is not None and t.shape != shape:
+            raise RuntimeError(
+                f"convolution_backward[{backend}]: {name} has shape {list(t.shape)}, expected {list(shape)}"
+            )
+        if t.dtype != args.input.dtype:
+            raise RuntimeError(f"convolution_backward[{backend}]: {name} has dtype {t.dtype}, expected {args.input.dtype}")
+
+
+ATEN_IMPL = _Aten()
+_IMPLS: dict[Backend, Implementation] = {
+    Backend.ATEN: ATEN_IMPL,
+    Backend.PYTHON: _Python(),
+    Backend.COMPILED: _Compiled(),
+}
+
+AUTO_PRIORITY: tuple[Backend, ...] = (Backend.COMPILED, Backend.ATEN)
+"""``AUTO`` tries these in order; the compiled backend itself hands layer classes where native ATen
+is at the hardware limit back to ATen."""
+
+
+class _Auto(Implementation):
+    name = Backend.AUTO.value
+
+    def select(self, args):
+        reasons = []
+        for backend in AUTO_PRIORITY:
+            impl = _IMPLS[backend]
+            if impl.is_aten:
+                break
+            reason = impl.unavailable_reason() or impl.unsupported_reason(args)
+            if reason is None:
+                return impl, None
+            reasons.append(f"{backend.value}: {reason}")
+        return ATEN_IMPL, "; ".join(reasons) or None
+
+
+_AUTO = _Auto()
+
+BackendLike = Union[Backend, str, Implementation, Callable]
+
+
+def implementation(backend: BackendLike) -> Implementation:
+    """The :class:`Implementation` for ``backend``: a :class:`Backend`, its string, an
+    :class:`Implementation`, or a function with the aten signature (wrapped in
+    :class:`FunctionBackend`).
+
+    Raises:
+        ValueError: for an unknown backend name.
+        RuntimeError: if the backend is unavailable in this process, with the reason.
+    """
+    if isinstance(backend, Implementation):
+        impl = backend
+    elif isinstance(backend, str):
+        try:
+            key = Backend(backend.lower())
+        except ValueError:
+            names = ", ".join(repr(b.value) for b in Backend)
+            raise ValueError(f"aten_override: unknown backend {backend!r}; expected one of {names}") from None
+        impl = _AUTO if key is Backend.AUTO else _IMPLS[key]
+    elif callable(backend):
+        impl = FunctionBackend(backend)
+    else:
+        raise TypeError(f"aten_override: backend must be a Backend, a str or a function, got {type(backend).__name__}")
+    reason = impl.unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"aten_override: backend {impl.name!r} is unavailable: {reason}")
+    return impl
+
+
+resolve = implementation
+
+
+def availability() -> dict[str, str | None]:
+    """``{backend name: None if available else the reason}`` for every built-in backend."""
+    out: dict[str, str | None] = {}
+    for backend in Backend:
+        impl = _AUTO if backend is Backend.AUTO else _IMPLS[backend]
+        try:
+            out[backend.value] = impl.unavailable_reason()
+        except Exception as e:  # a broken extension must not break `info`
+            out[backend.value] = f"{type(e).__name__}: {e}"
+    return out

@@ -1,0 +1,83 @@
+r"""``enable(...)``: route ``aten::convolution_backward`` to a backend for a block or a function.
+
+Modelled on ``torch.nn.attention.sdpa_kernel``: saves the previous state, restores it in
+``finally``, nests, and is usable as a decorator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from . import _registration
+from .backends import BackendLike, implementation
+
+__all__ = ["enable", "install", "uninstall"]
+
+
+class enable(contextlib.ContextDecorator):
+    r"""Context manager (and decorator) that routes every ``aten::convolution_backward`` call on CPU
+    and CUDA tensors to ``backend``.
+
+    Args:
+        backend: ``"auto"`` (default: the fastest available backend that supports the call, ending at
+            ``"aten"``), ``"python"``, ``"compiled"``, ``"aten"`` (the original kernel), a
+            :class:`~aten_override.Backend`, or a function with the aten signature
+            ``fn(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+            output_padding, groups, output_mask) -> (grad_input, grad_weight, grad_bias)``.
+
+    Semantics:
+        - Nests: the innermost active ``enable`` wins; leaving it restores the outer one; leaving the
+          outermost restores the dispatcher exactly (our kernel is deregistered).
+        - Restores on exceptions (``KeyboardInterrupt`` too) and at interpreter exit.
+        - Process-global: autograd runs CUDA backward on worker threads, so the setting is not
+          thread-local. Across threads the most recently entered, still active ``enable`` wins.
+          Calls never mix implementations. See :func:`install` for toggling while other threads
+          run backward.
+        - Calls a backend does not support fall back to the original kernel; the reason is
+          recorded (:func:`aten_override.stats`, :func:`aten_override.trace`).
+
+    Raises:
+        ValueError: unknown backend name.
+        RuntimeError: the backend is unavailable (e.g. compiled kernels not built), with the reason.
+
+    Example::
+
+        >>> with aten_override.enable("python"):
+        ...     loss = model(x).sum()
+        ...     loss.backward()  # every convolution's backward ran in the python backend
+    """
+
+    def __init__(self, backend: BackendLike = "auto"):
+        self.impl = implementation(backend)
+        self._tokens = threading.local()
+
+    def __enter__(self):
+        stack = self._tokens.__dict__.setdefault("stack", [])
+        stack.append(_registration.push(self.impl))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _registration.pop(self._tokens.stack.pop())
+
+    def __repr__(self) -> str:
+        return f"aten_override.enable({self.impl.name!r})"
+
+
+def install() -> None:
+    """Keep our kernel registered until :func:`uninstall`, even while no :class:`enable` is active
+    (calls then run the original kernel at the cost of one Python call).
+
+    With it installed, entering and leaving :class:`enable` never writes the dispatcher's table, so
+    it is safe while other threads run backward. Counted: n ``install()`` need n ``uninstall()``.
+    """
+    _registration.pin()
+
+
+def uninstall() -> None:
+    """Undo one :func:`install`; with nothing else active the dispatcher is restored.
+
+    Raises:
+        RuntimeError: without a matching :func:`install`.
+    """
+    _registration.unpin()

@@ -1,0 +1,296 @@
+r"""The arguments of ``aten::convolution_backward``, their validation, and upstream's output layout.
+
+One small dataclass mirrors the aten schema (``native_functions.yaml``)::
+
+    convolution_backward(Tensor grad_output, Tensor input, Tensor weight, SymInt[]? bias_sizes,
+                         SymInt[] stride, SymInt[] padding, SymInt[] dilation, bool transposed,
+                         SymInt[] output_padding, SymInt groups, bool[3] output_mask)
+        -> (Tensor, Tensor, Tensor)
+
+Shapes, in ``torch/nn/modules/conv.py``'s notation, with ``D = weight.dim() - 2`` spatial dims:
+
+- ``input``:       ``(N, C_in, *spatial_in)``
+- ``weight``:      ``(C_out, C_in / groups, *kernel)``; transposed: ``(C_in, C_out / groups, *kernel)``
+- ``grad_output``: ``(N, C_out, *spatial_out)``
+
+The support checks, every implementation and the tracer share this module. Nothing here touches
+the dispatcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "ConvolutionBackwardArgs",
+    "FLOATING_DTYPES",
+    "check_args",
+    "native_backend",
+    "output_memory_format",
+    "empty_like_native",
+    "expected_output_spatial",
+]
+
+FLOATING_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+OP = "convolution_backward"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConvolutionBackwardArgs:
+    """One call of ``aten::convolution_backward``, field for field in schema order.
+
+    ``stride``, ``padding``, ``dilation`` and ``output_padding`` are kept as passed (a length-1 list
+    broadcasts to every spatial dim, as upstream's ``expand_param_if_needed`` does); use
+    :meth:`expanded` for the per-dim lists.
+    """
+
+    grad_output: torch.Tensor
+    input: torch.Tensor
+    weight: torch.Tensor
+    bias_sizes: Sequence[int] | None
+    stride: Sequence[int]
+    padding: Sequence[int]
+    dilation: Sequence[int]
+    transposed: bool
+    output_padding: Sequence[int]
+    groups: int
+    output_mask: Sequence[bool]
+
+    def as_aten_args(self) -> tuple:
+        """The positional arguments of ``torch.ops.aten.convolution_backward.default``."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    @property
+    def spatial_dims(self) -> int:
+        """``D``: 1, 2 or 3 for conv1d/2d/3d."""
+        return self.weight.dim() - 2
+
+    @property
+    def device_type(self) -> str:
+        return self.grad_output.device.type
+
+    def expanded(self) -> ConvolutionBackwardArgs:
+        """A copy with ``stride``/``padding``/``dilation``/``output_padding`` as lists of ``D``
+        ints, ``groups`` an int and ``output_mask`` a tuple. Assumes :func:`check_args` passed."""
+        d = self.spatial_dims
+        return dataclasses.replace(
+            self,
+            stride=_expand(self.stride, d),
+            padding=_expand(self.padding, d),
+            dilation=_expand(self.dilation, d),
+            output_padding=_expand(self.output_padding, d),
+            groups=int(self.groups),
+            output_mask=tuple(bool(m) for m in self.output_mask),
+        )
+
+    @property
+    def c_out(self) -> int:
+        """Output channels of the forward convolution (``grad_output.size(1)`` when consistent)."""
+        w = self.weight
+        return w.size(1) * int(self.groups) if self.transposed else w.size(0)
+
+
+def _expand(values: Sequence[int], d: int) -> list[int]:
+    values = [int(v) for v in values]
+    return values * d if len(values) == 1 else values
+
+
+def expected_output_spatial(args: ConvolutionBackwardArgs) -> list[int]:
+    """``spatial_out`` of the forward convolution, from ``input``, ``weight`` and the params.
+
+    Regular:    ``(in + 2p - d(k-1) - 1) // s + 1``;
+    transposed: ``(in - 1)s - 2p + d(k-1) + output_padding + 1``.
+    """
+    a = args.expanded()
+    ins = a.input.shape[2:]
+    ks = a.weight.shape[2:]
+    if a.transposed:
+        return [
+            (i - 1) * s - 2 * p + d * (k - 1) + op + 1
+            for i, k, s, p, d, op in zip(ins, ks, a.stride, a.padding, a.dilation, a.output_padding)
+        ]
+    return [
+        (i + 2 * p - d * (k - 1) - 1) // s + 1
+        for i, k, s, p, d in zip(ins, ks, a.stride, a.padding, a.dilation)
+    ]
+
+
+def _fail(backend: str, message: str) -> None:
+    raise RuntimeError(f"{OP}[{backend}]: {message}")
+
+
+def check_args(args: ConvolutionBackwardArgs, backend: str) -> ConvolutionBackwardArgs:
+    """Validate one call as upstream does, with messages that name the op, the backend and the values.
+
+    Mirrors the checks of ``at::native::convolution_backward`` (``check_shape_backward``,
+    ``ConvParams``) in aten/src/ATen/native/Convolution.cpp, and adds the ones upstream leaves to
+    the backend (``grad_output``'s spatial size, its batch and channel count, mixed dtypes and
+    devices), where upstream's error is an opaque oneDNN message.
+
+    Returns:
+        ``args.expanded()``.
+
+    Raises:
+        RuntimeError: naming the offending values, e.g.
+            ``convolution_backward[python]: groups (3) must divide C_in (8)``.
+    """
+    go, x, w = args.grad_output, args.input, args.weight
+    k = w.dim()
+    if k < 3:
+        _fail(backend, f"weight should have at least three dimensions, got weight of size {list(w.shape)}")
+    if x.dim() != k or go.dim() != k:
+        _fail(
+            backend,
+            f"expected input and grad_output to be {k}-dimensional like weight {list(w.shape)}, "
+            f"got input of size {list(x.shape)} and grad_output of size {list(go.shape)}",
+        )
+    if not (go.dtype == x.dtype == w.dtype):
+        _fail(
+            backend,
+            f"grad_output, input and weight must have the same dtype, got {go.dtype}, {x.dtype} and {w.dtype}",
+        )
+    if not (go.device == x.device == w.device):
+        _fail(
+            backend,
+            f"grad_output, input and weight must be on the same device, got {go.device}, {x.device} and {w.device}",
+        )
+    if len(args.output_mask) != 3:
+        _fail(backend, f"output_mask must have 3 entries, got {list(args.output_mask)}")
+    d = k - 2
+    for name in ("stride", "padding", "dilation", "output_padding"):
+        values = list(getattr(args, name))
+        if len(values) not in (1, d):
+            _fail(
+                backend,
+                f"expected {name} to be a single integer value or a list of {d} values to match the "
+                f"convolution dimensions, but got {name}={values}",
+            )
+    a = args.expanded()
+    if any(s <= 0 for s in a.stride):
+        _fail(backend, f"non-positive stride is not supported, got stride={a.stride}")
+    if any(dd <= 0 for dd in a.dilation):
+        _fail(backend, f"dilation should be greater than zero, got dilation={a.dilation}")
+    if any(p < 0 for p in a.padding):
+        _fail(backend, f"negative padding is not supported, got padding={a.padding}")
+    if any(p < 0 for p in a.output_padding):
+        _fail(backend, f"negative output_padding is not supported, got output_padding={a.output_padding}")
+    groups = a.groups
+    if groups <= 0:
+        _fail(backend, f"expected groups to be greater than 0, but got groups={groups}")
+    if not a.transposed:
+        if any(p != 0 for p in a.output_padding):
+            _fail(
+                backend,
+                f"output_padding is not supported for non-transposed convolutions; got output_padding={a.output_padding}",
+            )
+        c_out, c_in = w.size(0), x.size(1)
+        if c_out % groups != 0:
+            _fail(backend, f"groups ({groups}) must divide C_out ({c_out}) = weight.size(0) of weight {list(w.shape)}")
+        if c_in != w.size(1) * groups:
+            _fail(
+                backend,
+                f"input has C_in ({c_in}) channels but weight {list(w.shape)} with groups={groups} expects "
+                f"weight.size(1) * groups = {w.size(1) * groups}"
+                + (f"; groups ({groups}) must divide C_in ({c_in})" if c_in % groups else ""),
+            )
+    else:
+        c_in = x.size(1)
+        if c_in != w.size(0):
+            _fail(
+                backend,
+                f"transposed: input has C_in ({c_in}) channels but weight {list(w.shape)} expects weight.size(0) = {w.size(0)}",
+            )
+        if c_in % groups != 0:
+            _fail(backend, f"groups ({groups}) must divide C_in ({c_in})")
+        c_out = w.size(1) * groups
+        for i, (op, s, dd) in enumerate(zip(a.output_padding, a.stride, a.dilation)):
+            if op >= s and op >= dd:
+                _fail(
+                    backend,
+                    f"output padding must be smaller than either stride or dilation, but got "
+                    f"output_padding={a.output_padding}, stride={a.stride}, dilation={a.dilation} (dim {i})",
+                )
+    if go.size(0) != x.size(0):
+        _fail(backend, f"grad_output batch size ({go.size(0)}) does not match input batch size ({x.size(0)})")
+    if go.size(1) != c_out:
+        _fail(backend, f"grad_output has {go.size(1)} channels, expected C_out = {c_out} for weight {list(w.shape)}")
+    if any(s == 0 for s in x.shape[2:]):
+        _fail(
+            backend,
+            f"input {list(x.shape)} has a zero spatial size; only zero batch or zero channel inputs are supported",
+        )
+    if not a.transposed:
+        padded = [i + 2 * p for i, p in zip(x.shape[2:], a.padding)]
+        kernel = [dd * (kk - 1) + 1 for kk, dd in zip(w.shape[2:], a.dilation)]
+        if any(pi < ki for pi, ki in zip(padded, kernel)):
+            _fail(
+                backend,
+                f"calculated padded input size per channel: {padded}, dilated kernel size: {kernel}; "
+                "kernel size can't be greater than actual input size",
+            )
+    expected = expected_output_spatial(a)
+    if any(e <= 0 for e in expected):
+        _fail(backend, f"computed output size {expected} is too small for input {list(x.shape)} and weight {list(w.shape)}")
+    if list(go.shape[2:]) != expected:
+        _fail(
+            backend,
+            f"grad_output spatial size {list(go.shape[2:])} does not match the convolution's output size "
+            f"{expected} (grad_output {list(go.shape)}, input {list(x.shape)}, weight {list(w.shape)}, "
+            f"stride={a.stride}, padding={a.padding}, dilation={a.dilation}, transposed={a.transposed}, "
+            f"output_padding={a.output_padding})",
+        )
+    return a
+
+
+# --- upstream's output layout ------------------------------------------------------------------
+
+
+def native_backend(args: ConvolutionBackwardArgs) -> torch._C._ConvBackend:
+    """The backend upstream's ``select_conv_backend`` picks for this call (``torch._C._ConvBackend``).
+
+    ``need_backward`` is derived from grad mode upstream; it only matters for forward-only
+    backends (Winograd / XNNPACK, not on x86), so it is asked under ``torch.enable_grad()``.
+    """
+    a = args
+    with torch.enable_grad():
+        return torch._C._select_conv_backend(
+            a.input, a.weight, None, a.stride, a.padding, a.dilation, a.transposed,
+            a.output_padding, a.groups, a.bias_sizes,
+        )
+
+
+def output_memory_format(args: ConvolutionBackwardArgs, backend: torch._C._ConvBackend) -> torch.memory_format:
+    """The memory format of upstream's ``grad_input`` and ``grad_weight``.
+
+    Mirrors ``_determine_backend_memory_format(input, weight, backend)`` as used by
+    ``at::native::convolution_backward``: only ``input`` and ``weight`` matter, never
+    ``grad_output``. 1-D convolutions are computed as 2-D on a contiguous ``input.unsqueeze(2)``.
+    """
+    x, w = args.input, args.weight
+    if w.dim() == 3:
+        x, w = x.contiguous().unsqueeze(2), w.unsqueeze(2)
+    return torch._C._conv_determine_backend_memory_format(x, w, backend)
+
+
+def empty_like_native(
+    shape: Sequence[int], like: torch.Tensor, memory_format: torch.memory_format, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """An uninitialised tensor with the exact strides upstream gives an output of ``shape``.
+
+    1-D outputs are allocated 4-D in ``memory_format`` and squeezed, as upstream's ``view3d`` does.
+    """
+    dtype = dtype or like.dtype
+    if len(shape) == 3:
+        s = list(shape)
+        return torch.empty(
+            [s[0], s[1], 1, s[2]], dtype=dtype, device=like.device, memory_format=memory_format
+        ).squeeze(2)
+    return torch.empty(list(shape), dtype=dtype, device=like.device, memory_format=memory_format)
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
