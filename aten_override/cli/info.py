@@ -1,0 +1,33 @@
+"""``info``: torch/build versions and a backend x dispatch-key availability table with reasons."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+HELP = "print versions and which backend serves which dispatch key (and why not)"
+
+
+def add_arguments(parser) -> None:
+    pass
+
+
+def main(args) -> int:
+    from .. import __version__
+    from ..backends import availability
+
+    print(f"aten_override {__version__}  torch {torch.__version__}  python {platform.python_version()}")
+    print(f"CUDA available: {torch.cuda.is_available()}  (torch built with CUDA {torch.version.cuda})")
+    rows = []
+    for backend, reason in availability().items():
+        for key in ("CPU", "CUDA"):
+            r = reason
+            if r is None and key == "CUDA" and not torch.cuda.is_available():
+                r = "no CUDA device in this process"
+            rows.append((backend, key, "yes" if r is None else "no", r or ""))
+    width = max(len(r[0]) for r in rows)
+    print(f"{'backend':<{width}}  key   available  reason")
+    for backend, key, ok, reason in rows:
+        print(f"{backend:<{width}}  {key:<4}  {ok:<9}  {reason}")
+    return 0
