@@ -276,20 +276,41 @@ def output_memory_format(args: ConvolutionBackwardArgs, backend: torch._C._ConvB
     return torch._C._conv_determine_backend_memory_format(x, w, backend)
 
 
-def empty_like_native(
-    shape: Sequence[int], like: torch.Tensor, memory_format: torch.memory_format, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """An uninitialised tensor with the exact strides upstream gives an output of ``shape``.
+# Backends whose grad_weight is ``empty_like(weight.contiguous(memory_format))`` (found by probing
+# torch 2.13 on every ambiguous layout: a size-1 channel or kernel dim); every other output is
+# ``empty(size, memory_format)``.
+_WEIGHT_PRESERVING_BACKENDS = frozenset(
+    getattr(torch._C._ConvBackend, name) for name in ("Slow2d", "SlowTranspose2d")
+)
 
-    1-D outputs are allocated 4-D in ``memory_format`` and squeezed, as upstream's ``view3d`` does.
+
+def empty_like_native(
+    like: torch.Tensor,
+    memory_format: torch.memory_format,
+    backend: torch._C._ConvBackend,
+    dtype: torch.dtype | None = None,
+    *,
+    is_input: bool = False,
+) -> torch.Tensor:
+    """An uninitialised tensor shaped like ``like`` (``input`` or ``weight``) with the exact strides
+    upstream gives its gradient.
+
+    - Upstream allocates ``empty(size, memory_format)``, except ``grad_weight`` of the THNN
+      ``Slow2d`` / ``SlowTranspose2d`` paths: ``empty_like(weight.contiguous(memory_format))``,
+      where an ambiguous layout (a size-1 channel or kernel dim) keeps ``weight``'s own strides.
+    - 1-D convolutions run as 2-D on ``input.contiguous().unsqueeze(2)`` / ``weight.unsqueeze(2)``
+      and the result is squeezed back (upstream's ``view4d`` / ``view3d``).
     """
     dtype = dtype or like.dtype
-    if len(shape) == 3:
-        s = list(shape)
-        return torch.empty(
-            [s[0], s[1], 1, s[2]], dtype=dtype, device=like.device, memory_format=memory_format
-        ).squeeze(2)
-    return torch.empty(list(shape), dtype=dtype, device=like.device, memory_format=memory_format)
+    t = like
+    one_d = t.dim() == 3
+    if one_d:
+        t = (t.contiguous() if is_input else t).unsqueeze(2)
+    if not is_input and backend in _WEIGHT_PRESERVING_BACKENDS and t.is_contiguous(memory_format=memory_format):
+        out = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
+    else:
+        out = torch.empty(t.shape, dtype=dtype, device=t.device, memory_format=memory_format)
+    return out.squeeze(2) if one_d else out
 
 
 def numel(shape: Sequence[int]) -> int:

@@ -169,10 +169,10 @@ def convolution_backward(args: ConvolutionBackwardArgs) -> tuple[torch.Tensor | 
     fmt = output_memory_format(a, backend)
     gi = gw = gb = None
     if mask[0]:
-        gi = empty_like_native(a.input.shape, a.input, fmt, dtype)
+        gi = empty_like_native(a.input, fmt, backend, dtype, is_input=True)
         gi.copy_(grad_input(a, go, a.weight.to(cdtype)))
     if mask[1]:
-        gw = empty_like_native(a.weight.shape, a.weight, fmt, dtype)
+        gw = empty_like_native(a.weight, fmt, backend, dtype)
         gw.copy_(grad_weight(a, go, a.input.to(cdtype)))
     if mask[2]:
         gb = _grad_bias(a.grad_output, cdtype)

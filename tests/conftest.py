@@ -1,0 +1,42 @@
+"""Shared fixtures: the backends under test, devices, and the comparison against the original kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aten_override
+
+# Backends we implement (not the original kernel itself), available in this process.
+OUR_BACKENDS = [
+    name
+    for name, reason in aten_override.availability().items()
+    if reason is None and name not in ("aten", "auto")
+]
+UNAVAILABLE = {name: reason for name, reason in aten_override.availability().items() if reason is not None}
+
+NO_CUDA = "no CUDA device in this process (CI has no GPU; run scripts/gpu_check.sh on a GPU machine)"
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)),
+]
+
+
+@pytest.fixture(params=OUR_BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _dispatcher_restored():
+    """Every test leaves the dispatcher exactly as it found it."""
+    before = torch._C._dispatch_dump("aten::convolution_backward")
+    aten_override.reset_stats()
+    yield
+    assert aten_override.active_backend() is None, "a test left a backend enabled"
+    assert torch._C._dispatch_dump("aten::convolution_backward") == before
