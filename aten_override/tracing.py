@@ -34,6 +34,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -99,9 +100,9 @@ class TensorInfo:
 class Verification:
     """A call compared with the original kernel on the same inputs (``verify=True``).
 
-    ``max_abs`` is ``max |ours - original|`` and ``max_rel`` is ``max_abs / max |original|`` over
-    every requested output; ``ok`` is ``max_abs <= atol + rtol * max |original|`` with matching
-    shapes and dtypes. ``strides_match`` is reported apart: a layout difference is a bug but not a
+    Per requested output, ``max_abs`` is ``max |ours - original|`` and ``max_rel`` is
+    ``max_abs / max |original|`` (the fields hold the largest over the outputs); ``ok`` is ``max_abs
+    <= atol + rtol * max |original|`` for every output, with matching shapes and dtypes. ``strides_match`` is reported apart: a layout difference is a bug but not a
     numerical one.
     """
 
@@ -238,7 +239,7 @@ def current_flags() -> dict[str, Any]:
 class _ModuleTagger:
     """Global module hooks (installed only while tracing) that tag autograd nodes with the module
     whose forward created them. Names follow ``ModTracker``: the outermost module is its class
-    name, children are ``parent.attribute``.
+    name, submodules are the dotted path of ``named_modules`` (``Net.layer1.0.conv2``).
 
     The forward hook walks back from the outputs' ``grad_fn`` through untagged nodes and stops at
     nodes already tagged (by an inner module, or by the module that produced an input) and at the
@@ -274,8 +275,9 @@ class _ModuleTagger:
         if name is None:
             if parent is not None:
                 parent_module, parent_name = parent
-                for child_name, child in parent_module.named_children():
-                    self.names.setdefault(child, f"{parent_name}.{child_name}")
+                # named_modules, not named_children: containers such as ModuleList are never called
+                for child, path in _named_descendants(parent_module, parent_name):
+                    self.names.setdefault(child, path)
                 name = self.names.get(module)
             if name is None:
                 name = self.names[module] = type(module).__name__
@@ -308,6 +310,12 @@ class _ModuleTagger:
                 continue
             metadata[MODULE_KEY] = name
             todo.extend(n for n, _ in node.next_functions)
+
+
+def _named_descendants(module, prefix: str):
+    for path, child in module.named_modules(prefix=prefix):
+        if child is not module:
+            yield child, path
 
 
 def _tensors(value) -> Iterable[torch.Tensor]:
@@ -519,15 +527,17 @@ class trace(contextlib.ContextDecorator):
         if decision.backend == "aten":  # served by the original kernel: nothing to compare
             return Verification(0.0, 0.0, rtol, atol, True, True)
         expected = _registration.call_original(keyset, aten_args)
-        max_abs = max_ref = 0.0
-        strides_match = True
+        max_abs = max_rel = 0.0
+        strides_match = within = True
         mismatches = []
         for name, ours, ref in zip(_OUTPUT_NAMES, result, expected):
             if ours is None or ref is None:
                 if (ours is None) != (ref is None):
+                    within = False
                     mismatches.append(f"{name}: {'None' if ours is None else 'a tensor'} vs. the original's")
                 continue
             if ours.shape != ref.shape or ours.dtype != ref.dtype:
+                within = False
                 mismatches.append(
                     f"{name}: {_short_dtype(str(ours.dtype).removeprefix('torch.'))}{list(ours.shape)} vs. "
                     f"the original's {_short_dtype(str(ref.dtype).removeprefix('torch.'))}{list(ref.shape)}"
@@ -536,13 +546,16 @@ class trace(contextlib.ContextDecorator):
             if ours.stride() != ref.stride() and ours.numel() > 1:
                 strides_match = False
                 mismatches.append(f"{name}: stride {list(ours.stride())} vs. the original's {list(ref.stride())}")
-            if ours.numel():
-                diff = (ours.double() - ref.double()).abs().max().item()
-                max_abs = max(max_abs, diff)
-                max_ref = max(max_ref, ref.double().abs().max().item())
-        max_rel = max_abs / max_ref if max_ref > 0 else (0.0 if max_abs == 0 else float("inf"))
-        ok = max_abs <= atol + rtol * max_ref and not any("stride" not in m for m in mismatches)
-        return Verification(max_abs, max_rel, rtol, atol, strides_match, ok, mismatches)
+            if ours.numel() == 0:
+                continue
+            diff = (ours.double() - ref.double()).abs().max().item()
+            scale = ref.double().abs().max().item()
+            rel = diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+            max_abs, max_rel = max(max_abs, diff), max(max_rel, rel)
+            if not diff <= atol + rtol * scale:  # also catches NaN
+                within = False
+                mismatches.append(f"{name}: max_abs={diff:.3g} max_rel={rel:.3g} beyond tolerance")
+        return Verification(max_abs, max_rel, rtol, atol, strides_match, within, mismatches)
 
     def _resolve_cuda_times(self) -> None:
         with self._lock:
@@ -861,8 +874,8 @@ def _summary(data: TraceData, *, times: bool) -> str:
         for c in failures:
             v = c.verify
             lines.append(
-                f"  MISMATCH call {c.id} {c.module or '<no module>'} [{c.backend}]: max_abs={v.max_abs:.3g} "
-                f"max_rel={v.max_rel:.3g} strides={'match' if v.strides_match else 'differ'} (rtol={v.rtol:g}, atol={v.atol:g})"
+                f"  MISMATCH call {c.id} {c.module or '<no module>'} [{c.backend}] (rtol={v.rtol:g}, atol={v.atol:g}): "
+                + "; ".join(v.mismatches)
             )
     errors = [c for c in data.calls if c.error is not None]
     if errors:
