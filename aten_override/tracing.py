@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -176,6 +177,9 @@ class OpRecord:
         return cls(**d)
 
 
+_PLAIN = frozenset({int, float, bool, str, type(None)})
+
+
 def _tensor_info_from(value):
     if isinstance(value, dict) and value.keys() == {f.name for f in dataclasses.fields(TensorInfo)}:
         return TensorInfo(**value)
@@ -192,8 +196,6 @@ _DTYPE_ABBRS = {str(k).removeprefix("torch."): v for k, v in dtype_abbrs.items()
 
 
 def _memory_format(t: torch.Tensor) -> str:
-    if t.layout != torch.strided:
-        return str(t.layout).removeprefix("torch.")
     if t.is_contiguous():
         return "contiguous"
     if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
@@ -201,6 +203,16 @@ def _memory_format(t: torch.Tensor) -> str:
     if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
         return "channels_last_3d"
     return "strided"
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.lru_cache(maxsize=64)
+def _device_name(device: torch.device) -> str:
+    return str(device)
 
 
 def default_tolerance(dtype: torch.dtype | str, device_type: str = "cpu") -> tuple[float, float]:
@@ -221,15 +233,17 @@ def default_tolerance(dtype: torch.dtype | str, device_type: str = "cpu") -> tup
 
 
 def current_flags() -> dict[str, Any]:
-    """The global flags ``at::native::convolution_backward`` reads at backward time."""
+    """The global flags ``at::native::convolution_backward`` reads at backward time (the getters
+    behind ``torch.backends.{cudnn,mkldnn}`` and ``torch.are_deterministic_algorithms_enabled``)."""
+    C = torch._C
     return {
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "mkldnn_enabled": torch.backends.mkldnn.enabled,
-        "mkldnn_fp32_precision": torch.backends.mkldnn.conv.fp32_precision,
-        "cudnn_enabled": torch.backends.cudnn.enabled,
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "cudnn_fp32_precision": torch.backends.cudnn.conv.fp32_precision,
+        "deterministic": C._get_deterministic_algorithms(),
+        "mkldnn_enabled": C._get_mkldnn_enabled(),
+        "mkldnn_fp32_precision": C._get_fp32_precision_getter("mkldnn", "conv"),
+        "cudnn_enabled": C._get_cudnn_enabled(),
+        "cudnn_benchmark": C._get_cudnn_benchmark(),
+        "cudnn_deterministic": C._get_cudnn_deterministic(),
+        "cudnn_fp32_precision": C._get_fp32_precision_getter("cuda", "conv"),
     }
 
 
@@ -403,7 +417,7 @@ class trace(contextlib.ContextDecorator):
         if self._active:
             raise RuntimeError("aten_override.trace: this trace is already active (create a new one to nest)")
         self.calls, self.ops = [], []
-        self._ids = torch.utils.weak.WeakIdKeyDictionary()
+        self._ids: dict[int, tuple[weakref.ref, int]] = {}
         self._next_tensor_id = itertools.count()
         self._next_call_id = itertools.count(1)
         self._pending_events: list = []
@@ -441,84 +455,110 @@ class trace(contextlib.ContextDecorator):
         return route(keyset, aten_args, impl)
 
     def _observe(self, keyset, aten_args: tuple, impl, route):
-        call_id = next(self._next_call_id)
         args = ConvolutionBackwardArgs(*aten_args)
-        node, module = _current_node()
-        infos = {name: self._describe(value) for name, value in zip(_ARG_NAMES, aten_args)}
-        upstream = None
-        if self.native:
-            try:
-                upstream = conv_backend_name(native_backend(args))
-            except Exception as e:  # invalid arguments: the backend reports them below
-                upstream = f"? ({type(e).__name__})"
-        on_cuda = args.device_type == "cuda"
+        record = CallRecord(
+            id=next(self._next_call_id),
+            thread=threading.current_thread().name,
+            thread_id=threading.get_ident(),
+            module=None,
+            node=None,
+            args={name: self._describe(value) for name, value in zip(_ARG_NAMES, aten_args)},
+            outputs=[None, None, None],
+            requested=impl.name,
+            backend=impl.name,
+            fallback_reason=None,
+            native_backend=self._native_backend(args) if self.native else None,
+            flags=current_flags(),
+            start_us=0.0,
+            host_us=None,
+            time_us=None,
+            timer="cuda_event" if args.device_type == "cuda" else "cpu",
+        )
+        record.node, record.module = _current_node()
         profiled = torch.autograd._profiler_enabled()
-        label = impl.name if impl.is_aten else impl.select(args)[0].name if profiled else None
-        start = time.perf_counter_ns()
         events = None
-        if self.timing and on_cuda:
+        if self.timing and record.timer == "cuda_event":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-        error = None
+        start = time.perf_counter_ns()
         try:
-            with torch.profiler.record_function(f"aten_override::convolution_backward[{label}]") if profiled else contextlib.nullcontext():
+            if profiled:
+                name = f"aten_override::convolution_backward[{_predicted_backend(impl, args)}]"
+                with torch.profiler.record_function(name):
+                    result, decision = self._route(keyset, aten_args, impl, route)
+            else:
                 result, decision = self._route(keyset, aten_args, impl, route)
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-            result, decision = None, _registration.Decision(impl.name, impl.name)
+        except BaseException as e:
+            record.error = f"{type(e).__name__}: {e}"
+            self._finish(record, start, events)
             raise
-        finally:
-            end = time.perf_counter_ns()
-            if events is not None:
-                events[1].record()
-            record = CallRecord(
-                id=call_id,
-                thread=threading.current_thread().name,
-                thread_id=threading.get_ident(),
-                module=module,
-                node=node,
-                args=infos,
-                outputs=[self._describe(t) for t in result] if result is not None else [None, None, None],
-                requested=decision.requested,
-                backend=decision.backend,
-                fallback_reason=decision.reason,
-                native_backend=upstream,
-                flags=current_flags(),
-                start_us=(start - self._t0) / 1e3,
-                host_us=(end - start) / 1e3 if self.timing else None,
-                time_us=(end - start) / 1e3 if self.timing and not on_cuda else None,
-                timer="cuda_event" if on_cuda else "cpu",
-                error=error,
-            )
-            if error is None and self.verify:
-                record.verify = self._verify(keyset, aten_args, args, result, decision)
-            with self._lock:
-                self.calls.append(record)
-                if events is not None:
-                    self._pending_events.append((record, events))
-            if self.log and log.isEnabledFor(logging.INFO):
-                for line in format_call(record, times=self.timing):
-                    log.info("%s", line)
+        self._finish(record, start, events, result, decision, keyset, aten_args, args)
         return result, decision
 
+    def _finish(self, record, start, events, result=None, decision=None, keyset=None, aten_args=None, args=None):
+        """Stop the clocks (before verifying, which is not timed), fill in the result, store."""
+        end = time.perf_counter_ns()
+        if events is not None:
+            events[1].record()
+        record.start_us = (start - self._t0) / 1e3
+        if self.timing:
+            record.host_us = (end - start) / 1e3
+            if events is None:
+                record.time_us = record.host_us
+        if decision is not None:
+            record.outputs = [self._describe(t) for t in result]
+            record.backend, record.fallback_reason = decision.backend, decision.reason
+            if self.verify:
+                record.verify = self._verify(keyset, aten_args, args, result, decision)
+        self._add(record, events)
+
+    @staticmethod
+    def _native_backend(args: ConvolutionBackwardArgs) -> str:
+        try:
+            return conv_backend_name(native_backend(args))
+        except Exception as e:  # invalid arguments: the backend reports them
+            return f"? ({type(e).__name__})"
+
+    def _add(self, record: CallRecord, events) -> None:
+        with self._lock:
+            self.calls.append(record)
+            if events is not None:
+                self._pending_events.append((record, events))
+        if self.log and log.isEnabledFor(logging.INFO):
+            for line in format_call(record, times=self.timing):
+                log.info("%s", line)
+
     def _describe(self, value):
+        kind = type(value)
+        if kind in _PLAIN:
+            return value
+        if kind is list or kind is tuple:
+            return [v if type(v) in _PLAIN else self._describe(v) for v in value]
         if isinstance(value, torch.Tensor):
-            tid = self._ids.get(value)
-            if tid is None:
-                tid = self._ids[value] = next(self._next_tensor_id)
-            return TensorInfo(
-                id=tid,
-                shape=list(value.shape),
-                stride=list(value.stride()) if value.layout == torch.strided else [],
-                dtype=str(value.dtype).removeprefix("torch."),
-                device=str(value.device),
-                memory_format=_memory_format(value),
-            )
-        if isinstance(value, (list, tuple)):
-            return [self._describe(v) for v in value]
+            return self._tensor_info(value)
         if isinstance(value, torch.SymInt):
             return str(value)
         return value
+
+    def _tensor_id(self, t: torch.Tensor) -> int:
+        """``$n`` of ``t``: stable while ``t`` lives; a new tensor at a reused address gets a new n."""
+        entry = self._ids.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        n = next(self._next_tensor_id)
+        self._ids[id(t)] = (weakref.ref(t), n)
+        return n
+
+    def _tensor_info(self, t: torch.Tensor) -> TensorInfo:
+        strided = t.layout is torch.strided
+        return TensorInfo(
+            id=self._tensor_id(t),
+            shape=list(t.shape),
+            stride=list(t.stride()) if strided else [],
+            dtype=_dtype_name(t.dtype),
+            device=_device_name(t.device),
+            memory_format=_memory_format(t) if strided else str(t.layout).removeprefix("torch."),
+        )
 
     def _verify(self, keyset, aten_args, args: ConvolutionBackwardArgs, result, decision) -> Verification:
         default_rtol, default_atol = default_tolerance(args.input.dtype, args.device_type)
@@ -595,6 +635,16 @@ class trace(contextlib.ContextDecorator):
 
     def __str__(self) -> str:
         return self.format()
+
+
+def _predicted_backend(impl, args: ConvolutionBackwardArgs) -> str:
+    """The backend that will serve the call, for the profiler range opened before it runs."""
+    if impl.is_aten:
+        return impl.name
+    try:
+        return impl.select(args)[0].name
+    except Exception:  # invalid arguments: the backend itself raises the error
+        return impl.name
 
 
 # --- every aten op of the backward pass --------------------------------------------------------
