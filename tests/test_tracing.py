@@ -408,6 +408,18 @@ def test_nested_traces_both_record():
             pass
 
 
+def test_backward_on_another_thread():
+    x = torch.randn(1, 1, 4, 4, requires_grad=True)
+    conv = nn.Conv2d(1, 1, 3)
+    with aten_override.trace() as t:
+        worker = threading.Thread(target=lambda: conv(x).sum().backward(), name="worker")
+        worker.start()
+        worker.join()
+    (call,) = t.calls
+    assert call.thread == "worker" and call.thread_id == worker.ident and call.module == "Conv2d"
+    assert "thread=worker" in t.format()
+
+
 def test_no_hook_when_off():
     x = torch.randn(1, 1, 4, 4, requires_grad=True)
     with aten_override.enable("python"):
