@@ -332,6 +332,21 @@ def test_ops_mode_records_backward_ops_only():
     assert relu.module == "Net" and relu.node == "ReluBackward0"
 
 
+def test_ops_between_submodules_belong_to_the_parent():
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv1d(1, 1, 1), nn.Conv1d(1, 1, 1)
+
+        def forward(self, x):
+            return self.b(self.a(x).tanh())
+
+    with aten_override.trace(ops=True) as t:
+        Parent()(torch.randn(1, 1, 3)).sum().backward()
+    assert [c.module for c in t.calls] == ["Parent.b", "Parent.a"]
+    assert {o.module for o in t.ops if o.op == "aten.tanh_backward"} == {"Parent"}
+
+
 def test_profiler_shows_backend():
     model, x = make_net()
     with aten_override.enable("python"), aten_override.trace():
