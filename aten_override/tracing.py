@@ -368,9 +368,11 @@ class trace(contextlib.ContextDecorator):
         verify: also run the original kernel on the same inputs and record the error
             (:class:`Verification`); :meth:`failures` lists the calls beyond tolerance.
         rtol, atol: override :func:`default_tolerance` for ``verify``.
-        ops: also record every other aten op run in the backward pass (a ``TorchDispatchMode``,
-            active on this thread and on autograd's worker threads; it costs a Python call per op,
-            forward ops included).
+        ops: also record every other aten op run in the backward pass (ops that run while
+            ``torch._C._current_autograd_node()`` is set), with a ``TorchDispatchMode``. Dispatch
+            modes are thread-local: ops of a backward run on a thread started inside the block are
+            not recorded (its ``convolution_backward`` calls are). It costs a Python call per op,
+            forward ops included.
         timing: measure each call (``time.perf_counter_ns``; CUDA: events, synchronised on exit).
         log: emit each line to ``logging.getLogger("aten_override.trace")`` at INFO level.
         native: ask ``torch._C._select_conv_backend`` which backend upstream would have chosen.
