@@ -382,8 +382,8 @@ class trace(contextlib.ContextDecorator):
         ops: the :class:`OpRecord`\ s (``ops=True``).
 
     Raises:
-        RuntimeError: an exception raised by the backend propagates unchanged; its call is recorded
-            with ``error`` set.
+        RuntimeError: on entering a trace object that is already active (nest a new one instead).
+            Exceptions of the backend propagate unchanged; their call is recorded with ``error``.
 
     Example::
 
