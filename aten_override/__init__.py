@@ -16,6 +16,7 @@ from ._registration import active_backend, is_registered, original_kernel, reset
 from .backends import AUTO_PRIORITY, Backend, FunctionBackend, Implementation, availability
 from .context import enable, install, uninstall
 from .ops.convolution_backward.args import ConvolutionBackwardArgs
+from .tracing import trace
 
 __all__ = [
     "AUTO_PRIORITY",
@@ -32,6 +33,7 @@ __all__ = [
     "original_kernel",
     "reset_stats",
     "stats",
+    "trace",
     "uninstall",
 ]
 

@@ -30,4 +30,9 @@ def main(args) -> int:
     print(f"{'backend':<{width}}  key   available  reason")
     for backend, key, ok, reason in rows:
         print(f"{backend:<{width}}  {key:<4}  {ok:<9}  {reason}")
+    from ..tracing import current_flags
+
+    # What upstream's backend choice depends on; read again at every backward call.
+    print("flags: " + "  ".join(f"{k}={v}" for k, v in current_flags().items()))
+    print("trace a program: python -m aten_override run --trace trace.json [--verify] script.py ARGS...")
     return 0

@@ -1,0 +1,161 @@
+"""``run``: run an unedited program with ``aten::convolution_backward`` overridden (and traced).
+
+    python -m aten_override run [--backend B] [--trace FILE] [--verify] script.py ARGS...
+    python -m aten_override run [--backend B] [--trace FILE] [--verify] -m package.module ARGS...
+
+The program runs in this process through :mod:`runpy`, as ``python script.py`` / ``python -m``
+would run it: ``sys.argv`` is ``[script, *ARGS]`` (``-m``: the module's file, as Python sets it),
+``sys.path[0]`` is the script's directory (``-m``: the current directory), and the exit code is the
+program's (``sys.exit(n)``; 1 for an uncaught exception). The trace is saved even if the program
+raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import runpy
+import sys
+import traceback
+
+HELP = "run a Python script or module (-m) with the override enabled, optionally tracing every call"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..backends import Backend
+
+    parser.add_argument(
+        "--backend",
+        default=Backend.AUTO.value,
+        choices=[b.value for b in Backend],
+        help="backend serving aten::convolution_backward (default: %(default)s)",
+    )
+    parser.add_argument("--trace", metavar="FILE", help="record every call and save the trace as JSON to FILE")
+    parser.add_argument(
+        "--chrome-trace", metavar="FILE", help="record every call and save a Chrome trace (Perfetto) to FILE"
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="also run the original kernel on every call and report calls beyond tolerance (implies tracing)",
+    )
+    parser.add_argument(
+        "--trace-ops", action="store_true", help="record every aten op of the backward pass, not only convolution_backward"
+    )
+    parser.add_argument(
+        "--summary", action="store_true", help="print the summary table to stderr when the program ends"
+    )
+    parser.add_argument(
+        "-m",
+        dest="module",
+        nargs=argparse.REMAINDER,
+        metavar="MODULE ARGS",
+        help="run a library module as a script, like python -m (everything after it goes to the module)",
+    )
+    parser.add_argument("program", nargs=argparse.REMAINDER, metavar="script.py ARGS", help="the script and its arguments")
+    parser.set_defaults(_parser=parser)
+
+
+def _check(args) -> None:
+    """Turn bad command lines into argparse errors (exit code 2) before anything runs."""
+    from ..backends import implementation
+
+    parser = args._parser
+    try:
+        implementation(args.backend)
+    except (ValueError, RuntimeError) as e:
+        parser.error(f"--backend {args.backend}: {e}")
+    if args.module is not None and args.program:
+        parser.error("give either a script or -m MODULE, not both")
+    if args.module is not None:
+        if not args.module:
+            parser.error("argument -m: expected a module name")
+        name = args.module[0]
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError) as e:
+            parser.error(f"-m {name}: {e}")
+        if spec is None:
+            parser.error(f"-m {name}: no module named {name!r}")
+    elif not args.program:
+        parser.error("expected a script (script.py ARGS...) or -m MODULE ARGS...")
+    else:
+        script = args.program[0]
+        if not os.path.isfile(script):
+            parser.error(f"script {script!r}: no such file")
+    for option in ("trace", "chrome_trace"):
+        path = getattr(args, option)
+        if path is not None:
+            directory = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(directory):
+                parser.error(f"--{option.replace('_', '-')} {path}: directory {directory!r} does not exist")
+
+
+def _run_program(args) -> int:
+    """Run the program as ``python script.py`` / ``python -m`` would; returns its exit code."""
+    saved_argv = sys.argv[:]
+    if args.module is not None:
+        path0 = os.getcwd()
+    else:
+        path0 = os.path.dirname(os.path.abspath(args.program[0]))
+    sys.path.insert(0, path0)
+    try:
+        if args.module is not None:
+            sys.argv = list(args.module)  # runpy sets argv[0] to the module's file
+            runpy.run_module(args.module[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args.program)
+            runpy.run_path(args.program[0], run_name="__main__")
+    except SystemExit as e:
+        return _exit_code(e.code)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.argv = saved_argv
+        if path0 in sys.path:
+            sys.path.remove(path0)
+    return 0
+
+
+def _exit_code(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)  # sys.exit("message"), as the interpreter does
+    return 1
+
+
+def main(args) -> int:
+    from .. import enable
+    from ..tracing import trace
+
+    _check(args)
+    tracing = bool(args.trace or args.chrome_trace or args.verify or args.trace_ops or args.summary)
+    tracer = trace(verify=args.verify, ops=args.trace_ops, log=False) if tracing else None
+    code = 1
+    try:
+        with enable(args.backend):
+            if tracer is None:
+                code = _run_program(args)
+            else:
+                with tracer:
+                    code = _run_program(args)
+    finally:
+        if tracer is not None:
+            _report(args, tracer)
+    return code
+
+
+def _report(args, tracer) -> None:
+    data = tracer.data()
+    if args.trace:
+        data.save(args.trace)
+        print(f"aten_override: {len(data.calls)} calls traced to {args.trace}", file=sys.stderr)
+    if args.chrome_trace:
+        data.save_chrome_trace(args.chrome_trace)
+        print(f"aten_override: Chrome trace written to {args.chrome_trace}", file=sys.stderr)
+    if args.summary or args.verify:
+        print(data.summary(), file=sys.stderr)

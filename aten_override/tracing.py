@@ -1,0 +1,938 @@
+r"""``aten_override.trace()``: which implementation served each ``aten::convolution_backward``.
+
+PyTorch's own tools do not say which kernel ran a convolution backward: the profiler shows
+``aten::convolution_backward`` but not whether oneDNN, cuDNN or a slow path served it,
+``TORCH_SHOW_DISPATCH_TRACE`` prints nothing in release wheels, and a ``TorchDispatchMode`` sees
+the arguments but not the kernel. :class:`trace` hooks into our kernel
+(:func:`aten_override._registration.set_observer`) and records, per call:
+
+- a call id, the thread, the autograd node and the module that owns the convolution
+  (``Net.body.0``, named as ``torch.distributed._tools.ModTracker`` names modules: the root's class,
+  then attribute names), found by global module forward hooks installed only while tracing, which
+  tag the autograd nodes created inside each module (``node.metadata``);
+- every argument, with shape, stride, dtype, device and memory format of the tensors;
+- which backend ran it, or that it fell back to the original kernel and why;
+- the backend upstream would have chosen (``torch._C._select_conv_backend``) and the global flags
+  upstream reads at backward time (deterministic, cuDNN/oneDNN enabled, ``fp32_precision``);
+- the wall time in microseconds (CUDA: ``torch.cuda.Event``), and with ``verify=True`` the error
+  against the original kernel on the same inputs.
+
+Lines read like ``torch.testing._internal.logging_tensor`` (``$n`` tensor ids, ``f32[8, 64, 56,
+56]``) and also go to ``logging.getLogger("aten_override.trace")`` at INFO level. Traces export to
+JSON (:meth:`trace.save`, read back with :func:`load`) and to the Chrome trace format (opens in
+Perfetto / ``chrome://tracing``); while a profiler runs, every call is a
+``record_function("aten_override::convolution_backward[<backend>]")`` range.
+
+With no trace active the kernel's path has no hook (the observer is ``None``) and no module hooks
+are installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import json
+import logging
+import math
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._dtype_abbrs import dtype_abbrs
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _registration
+from .ops.convolution_backward.args import ConvolutionBackwardArgs, native_backend
+
+__all__ = ["trace", "CallRecord", "OpRecord", "TensorInfo", "Verification", "TraceData", "load", "default_tolerance"]
+
+log = logging.getLogger("aten_override.trace")
+
+FORMAT = "aten_override.trace"
+FORMAT_VERSION = 1
+MODULE_KEY = "aten_override.module"
+_ARG_NAMES = tuple(f.name for f in dataclasses.fields(ConvolutionBackwardArgs))
+_OUTPUT_NAMES = ("grad_input", "grad_weight", "grad_bias")
+
+# torch._C._ConvBackend in 2.13 has no member for value 9 (MkldnnTranspose) and a member literally
+# named "MpsTranspose," (see ConvUtils.h vs. Module.cpp's py::enum_).
+_CONV_BACKEND_NAMES = {int(v): k.rstrip(",") for k, v in torch._C._ConvBackend.__members__.items()}
+_CONV_BACKEND_NAMES.setdefault(9, "MkldnnTranspose")
+
+
+def conv_backend_name(backend: torch._C._ConvBackend) -> str:
+    """The name of a ``torch._C._ConvBackend`` value, including the ones 2.13 does not expose."""
+    return _CONV_BACKEND_NAMES.get(int(backend), f"ConvBackend({int(backend)})")
+
+
+# --- records -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TensorInfo:
+    """A tensor as the trace sees it: ``id`` is its ``$n`` within the trace; ``memory_format`` is
+    ``"contiguous"``, ``"channels_last"``, ``"channels_last_3d"`` or ``"strided"``."""
+
+    id: int
+    shape: list[int]
+    stride: list[int]
+    dtype: str
+    device: str
+    memory_format: str
+
+    def __str__(self) -> str:
+        text = f"${self.id}: {_short_dtype(self.dtype)}[{', '.join(map(str, self.shape))}]"
+        if self.memory_format in ("channels_last", "channels_last_3d"):
+            text += "{" + self.memory_format + "}"
+        elif self.memory_format == "strided":
+            text += "{stride=[" + ", ".join(map(str, self.stride)) + "]}"
+        if self.device != "cpu":
+            text += f"@{self.device}"
+        return text
+
+
+@dataclasses.dataclass
+class Verification:
+    """A call compared with the original kernel on the same inputs (``verify=True``).
+
+    Per requested output, ``max_abs`` is ``max |ours - original|`` and ``max_rel`` is
+    ``max_abs / max |original|`` (the fields hold the largest over the outputs); ``ok`` is ``max_abs
+    <= atol + rtol * max |original|`` for every output, with matching shapes and dtypes. ``strides_match`` is reported apart: a layout difference is a bug but not a
+    numerical one.
+    """
+
+    max_abs: float
+    max_rel: float
+    rtol: float
+    atol: float
+    strides_match: bool
+    ok: bool
+    mismatches: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class CallRecord:
+    """One ``aten::convolution_backward`` call. Times are in microseconds; ``start_us`` is host time
+    since the trace began. ``time_us`` is measured with CUDA events for CUDA tensors
+    (``timer="cuda_event"``) and equals ``host_us`` on CPU; it is ``None`` when timing is off."""
+
+    id: int
+    thread: str
+    thread_id: int
+    module: str | None
+    node: str | None
+    args: dict[str, Any]
+    outputs: list[TensorInfo | None]
+    requested: str
+    backend: str
+    fallback_reason: str | None
+    native_backend: str | None
+    flags: dict[str, Any]
+    start_us: float
+    host_us: float | None
+    time_us: float | None
+    timer: str
+    verify: Verification | None = None
+    error: str | None = None
+
+    @property
+    def fallback(self) -> bool:
+        return self.fallback_reason is not None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CallRecord:
+        d = dict(d)
+        d["args"] = {k: _tensor_info_from(v) for k, v in d["args"].items()}
+        d["outputs"] = [_tensor_info_from(v) for v in d["outputs"]]
+        d["verify"] = Verification(**d["verify"]) if d.get("verify") else None
+        return cls(**d)
+
+
+@dataclasses.dataclass
+class OpRecord:
+    """Any other aten op run by the autograd engine while tracing with ``ops=True``."""
+
+    seq: int
+    thread: str
+    thread_id: int
+    op: str
+    node: str | None
+    module: str | None
+    args: list[Any]
+    outputs: list[Any]
+    start_us: float
+    host_us: float | None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> OpRecord:
+        d = dict(d)
+        d["args"] = [_tensor_info_from(v) for v in d["args"]]
+        d["outputs"] = [_tensor_info_from(v) for v in d["outputs"]]
+        return cls(**d)
+
+
+_PLAIN = frozenset({int, float, bool, str, type(None)})
+
+
+def _tensor_info_from(value):
+    if isinstance(value, dict) and value.keys() == {f.name for f in dataclasses.fields(TensorInfo)}:
+        return TensorInfo(**value)
+    if isinstance(value, list):
+        return [_tensor_info_from(v) for v in value]
+    return value
+
+
+def _short_dtype(dtype: str) -> str:
+    return _DTYPE_ABBRS.get(dtype, dtype)
+
+
+_DTYPE_ABBRS = {str(k).removeprefix("torch."): v for k, v in dtype_abbrs.items()}
+
+
+def _memory_format(t: torch.Tensor) -> str:
+    if t.is_contiguous():
+        return "contiguous"
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return "channels_last"
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return "channels_last_3d"
+    return "strided"
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.lru_cache(maxsize=64)
+def _device_name(device: torch.device) -> str:
+    return str(device)
+
+
+def default_tolerance(dtype: torch.dtype | str, device_type: str = "cpu") -> tuple[float, float]:
+    """``(rtol, atol)`` for ``verify``, normwise: a call passes if ``max |ours - original| <= atol +
+    rtol * max |original|``. A convolution backward sums ``N * prod(spatial_out)`` (weight) or
+    ``C_out * prod(kernel)`` (input) products, so the bounds are looser than
+    ``torch.testing.assert_close``'s elementwise ones; float32 on CUDA allows TF32 when
+    ``torch.backends.cudnn.conv.fp32_precision`` is ``"tf32"`` (upstream's default)."""
+    name = str(dtype).removeprefix("torch.")
+    if name == "float32" and device_type == "cuda" and torch.backends.cudnn.conv.fp32_precision == "tf32":
+        return 5e-3, 1e-5
+    return {
+        "float64": (1e-10, 1e-12),
+        "float32": (1e-4, 1e-6),
+        "float16": (1e-2, 1e-4),
+        "bfloat16": (5e-2, 1e-3),
+    }.get(name, (0.0, 0.0))
+
+
+def current_flags() -> dict[str, Any]:
+    """The global flags ``at::native::convolution_backward`` reads at backward time (the getters
+    behind ``torch.backends.{cudnn,mkldnn}`` and ``torch.are_deterministic_algorithms_enabled``)."""
+    C = torch._C
+    return {
+        "deterministic": C._get_deterministic_algorithms(),
+        "mkldnn_enabled": C._get_mkldnn_enabled(),
+        "mkldnn_fp32_precision": C._get_fp32_precision_getter("mkldnn", "conv"),
+        "cudnn_enabled": C._get_cudnn_enabled(),
+        "cudnn_benchmark": C._get_cudnn_benchmark(),
+        "cudnn_deterministic": C._get_cudnn_deterministic(),
+        "cudnn_fp32_precision": C._get_fp32_precision_getter("cuda", "conv"),
+    }
+
+
+# --- module attribution ------------------------------------------------------------------------
+
+
+class _ModuleTagger:
+    """Global module hooks (installed only while tracing) that tag autograd nodes with the module
+    whose forward created them. Names follow ``ModTracker``: the outermost module is its class
+    name, submodules are the dotted path of ``named_modules`` (``Net.layer1.0.conv2``).
+
+    The forward hook walks back from the outputs' ``grad_fn`` to the inputs' ``grad_fn`` and tags
+    every node on the way that has no tag yet; inner modules' hooks run first, so each node gets the
+    innermost module that created it. The walk costs O(nodes created inside the module) per module
+    call, only while tracing. Under ``torch.compile`` the hooks do nothing: calls are attributed to
+    the compiled module as a whole (``OptimizedModule``).
+    """
+
+    def __init__(self) -> None:
+        self.names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.local = threading.local()
+        self.handles: list = []
+
+    def install(self) -> None:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self.handles = [
+            register_module_forward_pre_hook(self._pre_hook),
+            register_module_forward_hook(self._post_hook, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _stack(self) -> list:
+        stack = getattr(self.local, "stack", None)
+        if stack is None:
+            stack = self.local.stack = []
+        return stack
+
+    def _name(self, module, parent) -> str:
+        name = self.names.get(module)
+        if name is None:
+            if parent is not None:
+                parent_module, parent_name = parent
+                # named_modules, not named_children: containers such as ModuleList are never called
+                for child, path in _named_descendants(parent_module, parent_name):
+                    self.names.setdefault(child, path)
+                name = self.names.get(module)
+            if name is None:
+                name = self.names[module] = type(module).__name__
+        return name
+
+    def _pre_hook(self, module, args) -> None:
+        if torch.compiler.is_compiling():
+            return
+        stack = self._stack()
+        name = self._name(module, stack[-1][:2] if stack else None)
+        # (global pre-hooks do not see kwargs)
+        stops = {id(a.grad_fn) for a in _tensors(args) if a.grad_fn is not None}
+        stack.append((module, name, stops))
+
+    def _post_hook(self, module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            return
+        stack = self._stack()
+        if not stack or stack[-1][0] is not module:
+            return
+        _, name, stops = stack.pop()
+        if output is None or not torch.is_grad_enabled():
+            return
+        todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        seen = set(stops)
+        while todo:
+            node = todo.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            node.metadata.setdefault(MODULE_KEY, name)  # inner modules tagged theirs already
+            todo.extend(n for n, _ in node.next_functions)
+
+
+def _named_descendants(module, prefix: str):
+    for path, child in module.named_modules(prefix=prefix):
+        if child is not module:
+            yield child, path
+
+
+def _tensors(value) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _current_node() -> tuple[str | None, str | None]:
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return None, None
+    return type(node).__name__, node.metadata.get(MODULE_KEY)
+
+
+# --- the tracer --------------------------------------------------------------------------------
+
+
+class trace(contextlib.ContextDecorator):
+    r"""Record every ``aten::convolution_backward`` call (and with ``ops=True`` every aten op the
+    autograd engine runs) while active.
+
+    Works with or without :func:`aten_override.enable`: when no backend is enabled the trace keeps
+    our kernel registered (:func:`aten_override.install`) so native calls are recorded with
+    ``backend="aten"``; on exit the dispatcher is as before
+    (``torch._C._dispatch_dump("aten::convolution_backward")``).
+
+    Args:
+        verify: also run the original kernel on the same inputs and record the error
+            (:class:`Verification`); :meth:`failures` lists the calls beyond tolerance.
+        rtol, atol: override :func:`default_tolerance` for ``verify``.
+        ops: also record every other aten op run in the backward pass (ops that run while
+            ``torch._C._current_autograd_node()`` is set), with a ``TorchDispatchMode``. Dispatch
+            modes are thread-local: ops of a backward run on a thread started inside the block are
+            not recorded (its ``convolution_backward`` calls are). It costs a Python call per op,
+            forward ops included.
+        timing: measure each call (``time.perf_counter_ns``; CUDA: events, synchronised on exit).
+        log: emit each line to ``logging.getLogger("aten_override.trace")`` at INFO level.
+        native: ask ``torch._C._select_conv_backend`` which backend upstream would have chosen.
+
+    Attributes:
+        calls: the :class:`CallRecord`\ s, in call order.
+        ops: the :class:`OpRecord`\ s (``ops=True``).
+
+    Raises:
+        RuntimeError: on entering a trace object that is already active (nest a new one instead).
+            Exceptions of the backend propagate unchanged; their call is recorded with ``error``.
+
+    Example::
+
+        >>> with aten_override.enable("python"), aten_override.trace(verify=True) as t:
+        ...     model(x).sum().backward()
+        >>> print(t.summary())
+        >>> t.save("trace.json"); t.save_chrome_trace("trace.chrome.json")
+    """
+
+    def __init__(
+        self,
+        *,
+        verify: bool = False,
+        rtol: float | None = None,
+        atol: float | None = None,
+        ops: bool = False,
+        timing: bool = True,
+        log: bool = True,
+        native: bool = True,
+    ):
+        self.verify = verify
+        self.rtol, self.atol = rtol, atol
+        self.record_ops = ops
+        self.timing = timing
+        self.log = log
+        self.native = native
+        self.calls: list[CallRecord] = []
+        self.ops: list[OpRecord] = []
+        self._lock = threading.Lock()
+        self._active = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def __enter__(self) -> trace:
+        if self._active:
+            raise RuntimeError("aten_override.trace: this trace is already active (create a new one to nest)")
+        self.calls, self.ops = [], []
+        self._ids: dict[int, tuple[weakref.ref, int]] = {}
+        self._next_tensor_id = itertools.count()
+        self._next_call_id = itertools.count(1)
+        self._pending_events: list = []
+        self._t0 = time.perf_counter_ns()
+        self._tagger = _ModuleTagger()
+        self._exit = contextlib.ExitStack()
+        try:
+            _registration.pin()
+            self._exit.callback(_registration.unpin)
+            self._previous_observer = _registration.set_observer(self._observe)
+            self._exit.callback(_registration.set_observer, self._previous_observer)
+            self._tagger.install()
+            self._exit.callback(self._tagger.remove)
+            if self.record_ops:
+                self._exit.enter_context(_OpRecorder(self))
+        except BaseException:
+            self._exit.close()
+            raise
+        self._active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._active = False
+        try:
+            self._exit.close()
+        finally:
+            self._resolve_cuda_times()
+
+    # -- the observer ---------------------------------------------------------------------------
+
+    def _route(self, keyset, aten_args, impl, route):
+        previous = self._previous_observer
+        if previous is not None:  # an outer trace records this call too
+            return previous(keyset, aten_args, impl, route)
+        return route(keyset, aten_args, impl)
+
+    def _observe(self, keyset, aten_args: tuple, impl, route):
+        args = ConvolutionBackwardArgs(*aten_args)
+        record = CallRecord(
+            id=next(self._next_call_id),
+            thread=threading.current_thread().name,
+            thread_id=threading.get_ident(),
+            module=None,
+            node=None,
+            args={name: self._describe(value) for name, value in zip(_ARG_NAMES, aten_args)},
+            outputs=[None, None, None],
+            requested=impl.name,
+            backend=impl.name,
+            fallback_reason=None,
+            native_backend=self._native_backend(args) if self.native else None,
+            flags=current_flags(),
+            start_us=0.0,
+            host_us=None,
+            time_us=None,
+            timer="cuda_event" if args.device_type == "cuda" else "cpu",
+        )
+        record.node, record.module = _current_node()
+        profiled = torch.autograd._profiler_enabled()
+        events = None
+        if self.timing and record.timer == "cuda_event":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        start = time.perf_counter_ns()
+        try:
+            if profiled:
+                name = f"aten_override::convolution_backward[{_predicted_backend(impl, args)}]"
+                with torch.profiler.record_function(name):
+                    result, decision = self._route(keyset, aten_args, impl, route)
+            else:
+                result, decision = self._route(keyset, aten_args, impl, route)
+        except BaseException as e:
+            record.error = f"{type(e).__name__}: {e}"
+            self._finish(record, start, events)
+            raise
+        self._finish(record, start, events, result, decision, keyset, aten_args, args)
+        return result, decision
+
+    def _finish(self, record, start, events, result=None, decision=None, keyset=None, aten_args=None, args=None):
+        """Stop the clocks (before verifying, which is not timed), fill in the result, store."""
+        end = time.perf_counter_ns()
+        if events is not None:
+            events[1].record()
+        record.start_us = (start - self._t0) / 1e3
+        if self.timing:
+            record.host_us = (end - start) / 1e3
+            if events is None:
+                record.time_us = record.host_us
+        if decision is not None:
+            record.outputs = [self._describe(t) for t in result]
+            record.backend, record.fallback_reason = decision.backend, decision.reason
+            if self.verify:
+                record.verify = self._verify(keyset, aten_args, args, result, decision)
+        self._add(record, events)
+
+    @staticmethod
+    def _native_backend(args: ConvolutionBackwardArgs) -> str:
+        try:
+            return conv_backend_name(native_backend(args))
+        except Exception as e:  # invalid arguments: the backend reports them
+            return f"? ({type(e).__name__})"
+
+    def _add(self, record: CallRecord, events) -> None:
+        with self._lock:
+            self.calls.append(record)
+            if events is not None:
+                self._pending_events.append((record, events))
+        if self.log and log.isEnabledFor(logging.INFO):
+            for line in format_call(record, times=self.timing):
+                log.info("%s", line)
+
+    def _describe(self, value):
+        kind = type(value)
+        if kind in _PLAIN:
+            return value
+        if kind is list or kind is tuple:
+            return [v if type(v) in _PLAIN else self._describe(v) for v in value]
+        if isinstance(value, torch.Tensor):
+            return self._tensor_info(value)
+        if isinstance(value, torch.SymInt):
+            return str(value)
+        return value
+
+    def _tensor_id(self, t: torch.Tensor) -> int:
+        """``$n`` of ``t``: stable while ``t`` lives; a new tensor at a reused address gets a new n."""
+        entry = self._ids.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        n = next(self._next_tensor_id)
+        self._ids[id(t)] = (weakref.ref(t), n)
+        return n
+
+    def _tensor_info(self, t: torch.Tensor) -> TensorInfo:
+        strided = t.layout is torch.strided
+        return TensorInfo(
+            id=self._tensor_id(t),
+            shape=list(t.shape),
+            stride=list(t.stride()) if strided else [],
+            dtype=_dtype_name(t.dtype),
+            device=_device_name(t.device),
+            memory_format=_memory_format(t) if strided else str(t.layout).removeprefix("torch."),
+        )
+
+    def _verify(self, keyset, aten_args, args: ConvolutionBackwardArgs, result, decision) -> Verification:
+        default_rtol, default_atol = default_tolerance(args.input.dtype, args.device_type)
+        rtol = default_rtol if self.rtol is None else self.rtol
+        atol = default_atol if self.atol is None else self.atol
+        if decision.backend == "aten":  # served by the original kernel: nothing to compare
+            return Verification(0.0, 0.0, rtol, atol, True, True)
+        expected = _registration.call_original(keyset, aten_args)
+        max_abs = max_rel = 0.0
+        strides_match = within = True
+        mismatches = []
+        for name, ours, ref in zip(_OUTPUT_NAMES, result, expected):
+            if ours is None or ref is None:
+                if (ours is None) != (ref is None):
+                    within = False
+                    mismatches.append(f"{name}: {'None' if ours is None else 'a tensor'} vs. the original's")
+                continue
+            if ours.shape != ref.shape or ours.dtype != ref.dtype:
+                within = False
+                mismatches.append(
+                    f"{name}: {_short_dtype(str(ours.dtype).removeprefix('torch.'))}{list(ours.shape)} vs. "
+                    f"the original's {_short_dtype(str(ref.dtype).removeprefix('torch.'))}{list(ref.shape)}"
+                )
+                continue
+            if ours.stride() != ref.stride() and ours.numel() > 1:
+                strides_match = False
+                mismatches.append(f"{name}: stride {list(ours.stride())} vs. the original's {list(ref.stride())}")
+            if ours.numel() == 0:
+                continue
+            diff = (ours.double() - ref.double()).abs().max().item()
+            scale = ref.double().abs().max().item()
+            rel = diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+            max_abs, max_rel = max(max_abs, diff), max(max_rel, rel)
+            if not diff <= atol + rtol * scale:  # also catches NaN
+                within = False
+                mismatches.append(f"{name}: max_abs={diff:.3g} max_rel={rel:.3g} beyond tolerance")
+        return Verification(max_abs, max_rel, rtol, atol, strides_match, within, mismatches)
+
+    def _resolve_cuda_times(self) -> None:
+        with self._lock:
+            pending, self._pending_events = self._pending_events, []
+        for record, (start, end) in pending:
+            end.synchronize()
+            record.time_us = start.elapsed_time(end) * 1e3
+
+    # -- results --------------------------------------------------------------------------------
+
+    def data(self) -> TraceData:
+        """The recorded calls and ops as a :class:`TraceData` (what :meth:`save` writes)."""
+        self._resolve_cuda_times()
+        with self._lock:
+            return TraceData(list(self.calls), list(self.ops), _environment())
+
+    def lines(self, *, times: bool = True) -> list[str]:
+        return self.data().lines(times=times)
+
+    def format(self, *, times: bool = True) -> str:
+        return "\n".join(self.lines(times=times))
+
+    def summary(self, *, times: bool = True) -> str:
+        return self.data().summary(times=times)
+
+    def failures(self) -> list[CallRecord]:
+        return self.data().failures()
+
+    def to_dict(self) -> dict:
+        return self.data().to_dict()
+
+    def save(self, path: str | os.PathLike) -> None:
+        self.data().save(path)
+
+    def save_chrome_trace(self, path: str | os.PathLike) -> None:
+        self.data().save_chrome_trace(path)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def _predicted_backend(impl, args: ConvolutionBackwardArgs) -> str:
+    """The backend that will serve the call, for the profiler range opened before it runs."""
+    if impl.is_aten:
+        return impl.name
+    try:
+        return impl.select(args)[0].name
+    except Exception:  # invalid arguments: the backend itself raises the error
+        return impl.name
+
+
+# --- every aten op of the backward pass --------------------------------------------------------
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records the aten ops run by the autograd engine (``_current_autograd_node()`` is set)."""
+
+    def __init__(self, tracer: trace):
+        super().__init__()
+        self.tracer = tracer
+        self.seq = itertools.count(1)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        node = torch._C._current_autograd_node()
+        if node is None or func is torch.ops.aten.convolution_backward.default:
+            return func(*args, **kwargs)  # not backward / recorded by the observer itself
+        t = self.tracer
+        start = time.perf_counter_ns()
+        out = func(*args, **kwargs)
+        end = time.perf_counter_ns()
+        outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+        record = OpRecord(
+            seq=next(self.seq),
+            thread=threading.current_thread().name,
+            thread_id=threading.get_ident(),
+            op=str(func.overloadpacket._qualified_op_name).replace("::", ".")
+            + ("" if func._overloadname == "default" else f".{func._overloadname}"),
+            node=type(node).__name__,
+            module=node.metadata.get(MODULE_KEY),
+            args=[t._describe(a) for a in (*args, *kwargs.values())],
+            outputs=[t._describe(o) for o in outputs],
+            start_us=(start - t._t0) / 1e3,
+            host_us=(end - start) / 1e3 if t.timing else None,
+        )
+        with t._lock:
+            t.ops.append(record)
+        return out
+
+
+# --- formatting and export ---------------------------------------------------------------------
+
+
+def _format_value(value) -> str:
+    if isinstance(value, TensorInfo):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_format_value(v) for v in value) + "]"
+    return str(value)
+
+
+def format_call(c: CallRecord, *, times: bool = True) -> list[str]:
+    """The lines of one call: a header (id, module, backend, upstream's choice, time) and the call
+    in LoggingTensor style, plus the verification when there is one."""
+    served = c.backend
+    if c.fallback_reason is not None:
+        served += f" (fallback from {c.requested}: {c.fallback_reason})"
+    header = [f"call {c.id}", c.module or "<no module>", f"backend={served}"]
+    if c.native_backend is not None:
+        header.append(f"upstream={c.native_backend}")
+    if c.thread != "MainThread":
+        header.append(f"thread={c.thread}")
+    if times and c.time_us is not None:
+        header.append(f"{c.time_us:.1f}us")
+    outputs = ", ".join("None" if o is None else str(o) for o in c.outputs)
+    args = ", ".join(
+        _format_value(v) if name in ("grad_output", "input", "weight") else f"{name}={_format_value(v)}"
+        for name, v in c.args.items()
+    )
+    lines = ["  ".join(header), f"  {outputs} = aten.convolution_backward({args})"]
+    if c.error is not None:
+        lines.append(f"  raised {c.error}")
+    v = c.verify
+    if v is not None:
+        status = "ok" if v.ok and v.strides_match else "MISMATCH"
+        lines.append(
+            f"  verify: {status}  max_abs={v.max_abs:.3g}  max_rel={v.max_rel:.3g}  "
+            f"strides={'match' if v.strides_match else 'differ'}  (rtol={v.rtol:g}, atol={v.atol:g})"
+        )
+        lines.extend(f"    {m}" for m in v.mismatches)
+    return lines
+
+
+def format_op(o: OpRecord, *, times: bool = True) -> str:
+    outputs = ", ".join(_format_value(v) for v in o.outputs)
+    args = ", ".join(_format_value(v) for v in o.args)
+    line = f"{outputs} = {o.op}({args})"
+    extra = [o.module or "<no module>", o.node or ""]
+    if times and o.host_us is not None:
+        extra.append(f"{o.host_us:.1f}us")
+    return line + "  # " + " ".join(e for e in extra if e)
+
+
+def _environment() -> dict:
+    from . import __version__
+
+    return {"torch": torch.__version__, "aten_override": __version__, "pid": os.getpid()}
+
+
+@dataclasses.dataclass
+class TraceData:
+    """A finished trace, in memory or loaded back with :func:`load`."""
+
+    calls: list[CallRecord]
+    ops: list[OpRecord] = dataclasses.field(default_factory=list)
+    environment: dict = dataclasses.field(default_factory=dict)
+
+    def lines(self, *, times: bool = True) -> list[str]:
+        """Calls and ops in the order they ran (by start time)."""
+        events = [(c.start_us, 0, c) for c in self.calls] + [(o.start_us, 1, o) for o in self.ops]
+        events.sort(key=lambda e: (e[0], e[1]))
+        out = []
+        for _, _, e in events:
+            if isinstance(e, CallRecord):
+                out.extend(format_call(e, times=times))
+            else:
+                out.append(format_op(e, times=times))
+        return out
+
+    def failures(self) -> list[CallRecord]:
+        """Calls whose verification failed (beyond tolerance, wrong shape/dtype or strides)."""
+        return [c for c in self.calls if c.verify is not None and not (c.verify.ok and c.verify.strides_match)]
+
+    def summary(self, *, times: bool = True) -> str:
+        """A table of calls grouped by module, input/weight shape and backend, with counts and total
+        time (microseconds), then fallback reasons and verification failures."""
+        return _summary(self, times=times)
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "environment": self.environment,
+            "calls": [dataclasses.asdict(c) for c in self.calls],
+            "ops": [dataclasses.asdict(o) for o in self.ops],
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write JSON (``format``, ``version``, ``environment``, ``calls``, ``ops``)."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1, default=str)
+            f.write("\n")
+
+    def chrome_trace(self) -> dict:
+        """The Chrome trace event format (``ph: "X"`` complete events, ``ts``/``dur`` in
+        microseconds of host time), which Perfetto and ``chrome://tracing`` open."""
+        pid = self.environment.get("pid", 0)
+        events = []
+        threads = {}
+        for c in self.calls:
+            threads[c.thread_id] = c.thread
+            name = f"convolution_backward[{c.backend}]"
+            events.append(
+                {
+                    "name": name,
+                    "cat": "aten_override",
+                    "ph": "X",
+                    "ts": c.start_us,
+                    "dur": c.host_us or 0.0,
+                    "pid": pid,
+                    "tid": c.thread_id,
+                    "args": {
+                        "call": c.id,
+                        "module": c.module,
+                        "requested": c.requested,
+                        "backend": c.backend,
+                        "fallback_reason": c.fallback_reason,
+                        "upstream": c.native_backend,
+                        "time_us": c.time_us,
+                        "grad_output": str(c.args["grad_output"]),
+                        "input": str(c.args["input"]),
+                        "weight": str(c.args["weight"]),
+                        "verify": dataclasses.asdict(c.verify) if c.verify else None,
+                        "error": c.error,
+                    },
+                }
+            )
+        for o in self.ops:
+            threads[o.thread_id] = o.thread
+            events.append(
+                {
+                    "name": o.op,
+                    "cat": "aten",
+                    "ph": "X",
+                    "ts": o.start_us,
+                    "dur": o.host_us or 0.0,
+                    "pid": pid,
+                    "tid": o.thread_id,
+                    "args": {"module": o.module, "node": o.node},
+                }
+            )
+        meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "aten_override.trace"}}]
+        meta += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": n}} for tid, n in threads.items()]
+        return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+
+    def save_chrome_trace(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f, default=str)
+            f.write("\n")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TraceData:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError(f"not an {FORMAT} file (no \"format\": \"{FORMAT}\" field)")
+        if d.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{FORMAT} version {d.get('version')!r} is not supported (expected {FORMAT_VERSION})")
+        return cls(
+            [CallRecord.from_dict(c) for c in d["calls"]],
+            [OpRecord.from_dict(o) for o in d.get("ops", [])],
+            d.get("environment", {}),
+        )
+
+
+def load(path: str | os.PathLike) -> TraceData:
+    """Read a trace written by :meth:`trace.save`.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not valid JSON or not an aten_override trace.
+    """
+    with open(path) as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not an {FORMAT} file: {e}") from None
+    try:
+        return TraceData.from_dict(d)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"malformed {FORMAT} file: {type(e).__name__}: {e}") from None
+
+
+def _shape(info) -> str:
+    return f"{_short_dtype(info.dtype)}[{', '.join(map(str, info.shape))}]" if isinstance(info, TensorInfo) else "?"
+
+
+def _table(header: Sequence[str], rows: list[Sequence[str]], right: set[int]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def fmt(row):
+        cells = [str(v).rjust(w) if i in right else str(v).ljust(w) for i, (v, w) in enumerate(zip(row, widths))]
+        return "  ".join(cells).rstrip()
+
+    return [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)]
+
+
+def _summary(data: TraceData, *, times: bool) -> str:
+    groups: dict[tuple, list[CallRecord]] = {}
+    for c in data.calls:
+        served = c.backend + (" (fallback)" if c.fallback else "")
+        key = (c.module or "<no module>", _shape(c.args["input"]), _shape(c.args["weight"]), served, c.native_backend or "")
+        groups.setdefault(key, []).append(c)
+    rows = []
+    for key, calls in groups.items():
+        row = [*key, str(len(calls))]
+        if times:
+            total = sum(c.time_us or 0.0 for c in calls)
+            row += [f"{total:.1f}", f"{total / len(calls):.1f}"]
+        rows.append((row, sum(c.time_us or 0.0 for c in calls) if times else 0.0))
+    rows = [r for r, _ in sorted(rows, key=lambda r: -r[1])] if times else [r for r, _ in rows]
+    header = ["module", "input", "weight", "backend", "upstream", "calls"] + (["total_us", "mean_us"] if times else [])
+    n_fallback = sum(c.fallback for c in data.calls)
+    lines = [f"aten::convolution_backward: {len(data.calls)} calls, {n_fallback} fallbacks"]
+    lines += _table(header, rows, right={5, 6, 7})
+    reasons: dict[str, int] = {}
+    for c in data.calls:
+        if c.fallback:
+            key = f"{c.requested}: {c.fallback_reason}"
+            reasons[key] = reasons.get(key, 0) + 1
+    if reasons:
+        lines.append("fallbacks:")
+        lines += [f"  {n} x {r}" for r, n in reasons.items()]
+    verified = [c for c in data.calls if c.verify is not None]
+    if verified:
+        failures = data.failures()
+        lines.append(f"verify: {len(verified) - len(failures)}/{len(verified)} calls within tolerance")
+        for c in failures:
+            v = c.verify
+            lines.append(
+                f"  MISMATCH call {c.id} {c.module or '<no module>'} [{c.backend}] (rtol={v.rtol:g}, atol={v.atol:g}): "
+                + "; ".join(v.mismatches)
+            )
+    errors = [c for c in data.calls if c.error is not None]
+    if errors:
+        lines.append("errors:")
+        lines += [f"  call {c.id} {c.module or '<no module>'} [{c.backend}]: {c.error}" for c in errors]
+    return "\n".join(lines)

@@ -1,0 +1,171 @@
+"""`python -m aten_override run` and `trace-summary`: end to end in a subprocess, errors in process."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import expecttest
+import pytest
+import torch
+
+import aten_override
+from aten_override import tracing
+from aten_override.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROGRAM = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.features = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU())
+            self.head = nn.Conv2d(2, 1, 1)
+
+        def forward(self, x):
+            return self.head(self.features(x))
+
+    torch.manual_seed(0)
+    Net().double()(torch.randn(1, 1, 5, 5, dtype=torch.float64)).sum().backward()
+    print("argv:", sys.argv[1:])
+    if "--raise" in sys.argv:
+        raise ValueError("the program failed")
+    sys.exit(int(sys.argv[-1]))
+    """
+)
+
+
+@pytest.fixture
+def program(tmp_path):
+    path = tmp_path / "prog.py"
+    path.write_text(PROGRAM)
+    return path
+
+
+def run_cli(*args, cwd):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    return subprocess.run(
+        [sys.executable, "-m", "aten_override", *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_run_script_end_to_end(program, tmp_path):
+    trace_file, chrome_file = tmp_path / "t.json", tmp_path / "t.chrome.json"
+    proc = run_cli(
+        "run", "--backend", "python", "--trace", trace_file, "--chrome-trace", chrome_file, "--verify",
+        program, "--backend", "x", "7", cwd=tmp_path,
+    )
+    assert proc.returncode == 7, proc.stderr
+    assert "argv: ['--backend', 'x', '7']" in proc.stdout  # the program's own flags reach it untouched
+    assert "verify: 2/2 calls within tolerance" in proc.stderr
+    data = tracing.load(trace_file)
+    assert [(c.module, c.backend, c.verify.ok) for c in data.calls] == [("Net.head", "python", True), ("Net.features.0", "python", True)]
+    events = json.loads(chrome_file.read_text())["traceEvents"]
+    assert [e["name"] for e in events if e["ph"] == "X"] == ["convolution_backward[python]"] * 2
+
+
+def test_run_module_that_raises_still_saves_trace(program, tmp_path):
+    trace_file = tmp_path / "t.json"
+    proc = run_cli("run", "--backend", "aten", "--trace", trace_file, "-m", "prog", "--raise", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "ValueError: the program failed" in proc.stderr
+    assert "argv: ['--raise']" in proc.stdout
+    assert [(c.module, c.backend) for c in tracing.load(trace_file).calls] == [("Net.head", "aten"), ("Net.features.0", "aten")]
+
+
+def test_run_in_process_restores_state(program, tmp_path):
+    argv, path, dump = sys.argv[:], sys.path[:], torch._C._dispatch_dump("aten::convolution_backward")
+    aten_override.reset_stats()
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(["run", "--backend", "python", "--trace", str(tmp_path / "t.json"), str(program), "0"]) == 0
+    assert "argv: ['0']" in out.getvalue()
+    assert aten_override.stats()["python"] == 2
+    assert (sys.argv, sys.path, torch._C._dispatch_dump("aten::convolution_backward")) == (argv, path, dump)
+    assert aten_override.active_backend() is None
+
+
+def cli_error(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(list(map(str, argv)))
+    assert e.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+def test_run_errors(capsys, program, tmp_path):
+    assert cli_error(capsys, "run", tmp_path / "missing.py") == (
+        f"python -m aten_override run: error: script '{tmp_path / 'missing.py'}': no such file"
+    )
+    assert cli_error(capsys, "run") == (
+        "python -m aten_override run: error: expected a script (script.py ARGS...) or -m MODULE ARGS..."
+    )
+    assert cli_error(capsys, "run", "-m") == "python -m aten_override run: error: argument -m: expected a module name"
+    assert cli_error(capsys, "run", "-m", "no_such_module_xyz") == (
+        "python -m aten_override run: error: -m no_such_module_xyz: no module named 'no_such_module_xyz'"
+    )
+    assert cli_error(capsys, "run", "--trace", tmp_path / "no" / "t.json", program).endswith(
+        f"directory '{tmp_path / 'no'}' does not exist"
+    )
+    assert "invalid choice: 'fast'" in cli_error(capsys, "run", "--backend", "fast", program)
+
+
+@pytest.mark.skipif(aten_override.availability()["compiled"] is None, reason="the compiled backend is built")
+def test_run_unavailable_backend(capsys, program):
+    reason = aten_override.availability()["compiled"]
+    assert cli_error(capsys, "run", "--backend", "compiled", program) == (
+        f"python -m aten_override run: error: --backend compiled: aten_override: backend 'compiled' is unavailable: {reason}"
+    )
+
+
+def test_trace_summary_errors(capsys, tmp_path):
+    assert "No such file" in cli_error(capsys, "trace-summary", tmp_path / "missing.json")
+    (tmp_path / "other.json").write_text('{"traceEvents": []}')
+    assert cli_error(capsys, "trace-summary", tmp_path / "other.json").endswith(
+        'not an aten_override.trace file (no "format": "aten_override.trace" field)'
+    )
+
+
+class TestTraceSummary(expecttest.TestCase):
+    def test_pinned(self):
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(1, 2, 3).double()
+        x = torch.randn(1, 1, 5, 5, dtype=torch.float64)
+
+        def off_by_one_percent(*aten_args):
+            gi, gw, gb = aten_override.original_kernel("cpu")(*aten_args)
+            return gi, gw * 1.01, gb
+
+        with aten_override.enable(off_by_one_percent), aten_override.trace(verify=True) as t:
+            conv(x).sum().backward()
+            conv(x).sum().backward()
+        with aten_override.trace() as t2:
+            conv(x).sum().backward()
+        data = tracing.TraceData(t.calls + t2.calls)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "t.json")
+            data.save(path)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                code = main(["trace-summary", "--no-times", path])
+        self.assertEqual(code, 1)  # calls beyond tolerance
+        self.assertExpectedInline(out.getvalue(), """\
+aten::convolution_backward: 3 calls, 0 fallbacks
+module  input            weight           backend             upstream  calls
+------  ---------------  ---------------  ------------------  --------  -----
+Conv2d  f64[1, 1, 5, 5]  f64[2, 1, 3, 3]  off_by_one_percent  Slow2d        2
+Conv2d  f64[1, 1, 5, 5]  f64[2, 1, 3, 3]  aten                Slow2d        1
+verify: 0/2 calls within tolerance
+  MISMATCH call 1 Conv2d [off_by_one_percent] (rtol=1e-10, atol=1e-12): grad_weight: max_abs=0.0296 max_rel=0.01 beyond tolerance
+  MISMATCH call 2 Conv2d [off_by_one_percent] (rtol=1e-10, atol=1e-12): grad_weight: max_abs=0.0296 max_rel=0.01 beyond tolerance
+""")

@@ -1,0 +1,454 @@
+"""aten_override.trace(): recorded calls, module attribution, verify mode, outputs, restore."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import expecttest
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as nn_module
+
+import aten_override
+from aten_override import _registration, tracing
+
+NO_CUDA = "no CUDA device in this process"
+OP = "aten::convolution_backward"
+
+
+class Net(nn.Module):
+    """A Sequential inside a custom module, and a functional conv owned by the custom module."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2, groups=2)
+        )
+        self.head = nn.Conv2d(4, 3, 1)
+        self.extra = nn.Parameter(torch.randn(3, 3, 1, 1, dtype=torch.float64))
+
+    def forward(self, x):
+        return F.conv2d(self.head(self.features(x)), self.extra).relu()
+
+
+def make_net(dtype=torch.float64):
+    torch.manual_seed(0)
+    return Net().to(dtype), torch.randn(2, 2, 6, 6, dtype=dtype)
+
+
+def grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def wrong_backend(*aten_args):
+    """The original kernel's result with grad_weight scaled by 1.01: verify must catch it."""
+    gi, gw, gb = aten_override.original_kernel(aten_args[0].device.type)(*aten_args)
+    return gi, None if gw is None else gw * 1.01, gb
+
+
+def original_backend(*aten_args):
+    return aten_override.original_kernel(aten_args[0].device.type)(*aten_args)
+
+
+@pytest.fixture(autouse=True)
+def _restored():
+    before = torch._C._dispatch_dump(OP)
+    hooks = (dict(nn_module._global_forward_hooks), dict(nn_module._global_forward_pre_hooks))
+    aten_override.reset_stats()
+    yield
+    assert _registration._state.observer is None, "a trace left its observer installed"
+    assert (dict(nn_module._global_forward_hooks), dict(nn_module._global_forward_pre_hooks)) == hooks
+    assert torch._C._dispatch_dump(OP) == before
+
+
+class TestPinnedText(expecttest.TestCase):
+    def test_lines_native(self):
+        model, x = make_net()
+        with aten_override.trace() as t:
+            model(x).sum().backward()
+        self.assertEqual(aten_override.stats()["aten"], 4)
+        self.assertExpectedInline(
+            t.format(times=False),
+            """\
+call 1  Net  backend=aten  upstream=Slow2d
+  $3: f64[2, 3, 2, 2], $4: f64[3, 3, 1, 1], None = aten.convolution_backward($0: f64[2, 3, 2, 2], $1: f64[2, 3, 2, 2], $2: f64[3, 3, 1, 1], bias_sizes=[0], stride=[1, 1], padding=[0, 0], dilation=[1, 1], transposed=False, output_padding=[0, 0], groups=1, output_mask=[True, True, False])
+call 2  Net.head  backend=aten  upstream=Slow2d
+  $7: f64[2, 4, 2, 2], $8: f64[3, 4, 1, 1], $9: f64[3] = aten.convolution_backward($3: f64[2, 3, 2, 2], $5: f64[2, 4, 2, 2], $6: f64[3, 4, 1, 1], bias_sizes=[3], stride=[1, 1], padding=[0, 0], dilation=[1, 1], transposed=False, output_padding=[0, 0], groups=1, output_mask=[True, True, True])
+call 3  Net.features.2  backend=aten  upstream=Slow2d
+  $12: f64[2, 4, 6, 6], $13: f64[4, 2, 3, 3], $14: f64[4] = aten.convolution_backward($7: f64[2, 4, 2, 2], $10: f64[2, 4, 6, 6], $11: f64[4, 2, 3, 3], bias_sizes=[4], stride=[2, 2], padding=[0, 0], dilation=[1, 1], transposed=False, output_padding=[0, 0], groups=2, output_mask=[True, True, True])
+call 4  Net.features.0  backend=aten  upstream=Slow2d
+  None, $18: f64[4, 2, 3, 3], None = aten.convolution_backward($15: f64[2, 4, 6, 6], $16: f64[2, 2, 6, 6], $17: f64[4, 2, 3, 3], bias_sizes=[0], stride=[1, 1], padding=[1, 1], dilation=[1, 1], transposed=False, output_padding=[0, 0], groups=1, output_mask=[False, True, False])""",
+        )
+        self.assertExpectedInline(
+            t.summary(times=False),
+            """\
+aten::convolution_backward: 4 calls, 0 fallbacks
+module          input            weight           backend  upstream  calls
+--------------  ---------------  ---------------  -------  --------  -----
+Net             f64[2, 3, 2, 2]  f64[3, 3, 1, 1]  aten     Slow2d        1
+Net.head        f64[2, 4, 2, 2]  f64[3, 4, 1, 1]  aten     Slow2d        1
+Net.features.2  f64[2, 4, 6, 6]  f64[4, 2, 3, 3]  aten     Slow2d        1
+Net.features.0  f64[2, 2, 6, 6]  f64[4, 2, 3, 3]  aten     Slow2d        1""",
+        )
+
+    def test_lines_python_channels_last_with_ops(self):
+        model, x = make_net()
+        model = model.to(memory_format=torch.channels_last)
+        with aten_override.enable("python"), aten_override.trace(ops=True) as t:
+            model.head(x[:, :1].expand(2, 4, 6, 6).to(memory_format=torch.channels_last)).relu().sum().backward()
+        self.assertEqual(aten_override.stats()["python"], 1)
+        self.assertExpectedInline(t.format(times=False), """\
+$1: f64[2, 3, 6, 6]{stride=[0, 0, 0, 0]} = aten.expand($0: f64[], [2, 3, 6, 6])  # <no module> SumBackward0
+$3: f64[2, 3, 6, 6]{channels_last} = aten.detach($2: f64[2, 3, 6, 6]{channels_last})  # <no module> ReluBackward0
+$4: f64[2, 3, 6, 6]{channels_last} = aten.threshold_backward($1: f64[2, 3, 6, 6]{stride=[0, 0, 0, 0]}, $3: f64[2, 3, 6, 6]{channels_last}, 0)  # <no module> ReluBackward0
+call 1  Conv2d  backend=python  upstream=Slow2d
+  None, $7: f64[3, 4, 1, 1], $8: f64[3] = aten.convolution_backward($4: f64[2, 3, 6, 6]{channels_last}, $5: f64[2, 4, 6, 6]{channels_last}, $6: f64[3, 4, 1, 1], bias_sizes=[3], stride=[1, 1], padding=[0, 0], dilation=[1, 1], transposed=False, output_padding=[0, 0], groups=1, output_mask=[False, True, True])
+$9: f64[3, 4, 1, 1] = aten.detach($7: f64[3, 4, 1, 1])  # Conv2d AccumulateGrad
+$10: f64[3] = aten.detach($8: f64[3])  # Conv2d AccumulateGrad""")
+
+    def test_fallback_and_verify_summary(self):
+        model, x = make_net()
+        with aten_override.enable(wrong_backend), aten_override.trace(verify=True) as t:
+            model(x).sum().backward()
+        self.assertEqual(aten_override.stats()["wrong_backend"], 4)
+        self.assertExpectedInline(t.summary(times=False), """\
+aten::convolution_backward: 4 calls, 0 fallbacks
+module          input            weight           backend        upstream  calls
+--------------  ---------------  ---------------  -------------  --------  -----
+Net             f64[2, 3, 2, 2]  f64[3, 3, 1, 1]  wrong_backend  Slow2d        1
+Net.head        f64[2, 4, 2, 2]  f64[3, 4, 1, 1]  wrong_backend  Slow2d        1
+Net.features.2  f64[2, 4, 6, 6]  f64[4, 2, 3, 3]  wrong_backend  Slow2d        1
+Net.features.0  f64[2, 2, 6, 6]  f64[4, 2, 3, 3]  wrong_backend  Slow2d        1
+verify: 0/4 calls within tolerance
+  MISMATCH call 1 Net [wrong_backend] (rtol=1e-10, atol=1e-12): grad_weight: max_abs=0.0325 max_rel=0.01 beyond tolerance
+  MISMATCH call 2 Net.head [wrong_backend] (rtol=1e-10, atol=1e-12): grad_weight: max_abs=0.0339 max_rel=0.01 beyond tolerance
+  MISMATCH call 3 Net.features.2 [wrong_backend] (rtol=1e-10, atol=1e-12): grad_weight: max_abs=0.0369 max_rel=0.01 beyond tolerance
+  MISMATCH call 4 Net.features.0 [wrong_backend] (rtol=1e-10, atol=1e-12): grad_weight: max_abs=0.0192 max_rel=0.01 beyond tolerance""")
+
+
+def test_results_unchanged_by_tracing():
+    model, x = make_net()
+    model(x).sum().backward()
+    expected = grads(model)
+    model.zero_grad()
+    with aten_override.enable("python"), aten_override.trace(verify=True, ops=True) as t:
+        model(x).sum().backward()
+    assert aten_override.stats()["python"] == 4
+    for ours, ref in zip(grads(model), expected):
+        torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    assert [c.backend for c in t.calls] == ["python"] * 4
+    assert not t.failures()
+    assert all(c.verify.ok and c.verify.strides_match and c.verify.max_abs < 1e-12 for c in t.calls)
+
+
+def test_module_attribution_nested():
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv1d(2, 2, 3), nn.Sequential(nn.ConvTranspose1d(2, 2, 2)))
+            self.w = nn.Parameter(torch.randn(2, 2, 1))
+
+        def forward(self, x):  # the functional conv's output is post-processed inside this module
+            return F.conv1d(self.body(x), self.w).tanh() * 2
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Inner(), Inner()])
+            self.shared = nn.Conv1d(2, 2, 1)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = self.shared(block(x))  # `shared` runs twice
+            return x
+
+    model = Outer()
+    with aten_override.trace() as t:
+        model(torch.randn(1, 2, 9)).sum().backward()
+    assert [c.module for c in t.calls] == [
+        "Outer.shared",
+        "Outer.blocks.1",
+        "Outer.blocks.1.body.1.0",
+        "Outer.blocks.1.body.0",
+        "Outer.shared",
+        "Outer.blocks.0",
+        "Outer.blocks.0.body.1.0",
+        "Outer.blocks.0.body.0",
+    ]
+    assert [c.args["transposed"] for c in t.calls].count(True) == 2
+    assert {c.node for c in t.calls} == {"ConvolutionBackward0"}
+
+
+def test_no_module_for_functional_call():
+    x, w = torch.randn(1, 1, 4, 4, requires_grad=True), torch.randn(1, 1, 3, 3)
+    with aten_override.trace() as t:
+        F.conv2d(x, w).sum().backward()
+    assert [c.module for c in t.calls] == [None]
+    assert "<no module>" in t.format()
+
+
+def test_verify_catches_wrong_backend():
+    model, x = make_net()
+    with aten_override.enable(wrong_backend), aten_override.trace(verify=True) as t:
+        model(x).sum().backward()
+    assert aten_override.stats()["wrong_backend"] == 4
+    failures = t.failures()
+    assert [c.id for c in failures] == [c.id for c in t.calls]  # every call computes grad_weight
+    for c in failures:
+        assert c.backend == "wrong_backend"
+        assert not c.verify.ok and c.verify.strides_match
+        assert c.verify.max_rel == pytest.approx(0.01, rel=1e-6)
+    assert "verify: 0/4 calls within tolerance" in t.summary()
+    assert t.summary().count("MISMATCH") == 4
+
+
+def test_verify_passes_correct_function_backend_and_flags_strides():
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64).to(memory_format=torch.channels_last).requires_grad_()
+    conv = nn.Conv2d(3, 2, 3).double().to(memory_format=torch.channels_last)
+
+    def contiguous_backend(*aten_args):
+        gi, gw, gb = original_backend(*aten_args)
+        return gi.contiguous(), gw, gb
+
+    for fn, strides_match in ((original_backend, True), (contiguous_backend, False)):
+        with aten_override.enable(fn), aten_override.trace(verify=True) as t:
+            conv(x).sum().backward()
+        (call,) = t.calls
+        assert call.backend == fn.__name__
+        assert call.verify.max_abs == 0 and call.verify.ok
+        assert call.verify.strides_match is strides_match
+        assert call.args["input"].memory_format == "channels_last"
+        assert bool(t.failures()) is not strides_match
+        x.grad = None
+
+
+def test_verify_tolerance_by_dtype():
+    assert tracing.default_tolerance(torch.float64) < tracing.default_tolerance(torch.float32)
+    assert tracing.default_tolerance(torch.float32) < tracing.default_tolerance(torch.bfloat16)
+    model, x = make_net()
+    with aten_override.enable(wrong_backend), aten_override.trace(verify=True, rtol=0.02) as t:
+        model(x).sum().backward()
+    assert not t.failures() and all(c.verify.rtol == 0.02 for c in t.calls)
+
+
+def test_fallback_recorded():
+    x = torch.randn(1, 1, 4, 4, requires_grad=True)
+    with aten_override.enable("auto"), aten_override.trace() as t:
+        nn.Conv2d(1, 1, 3)(x).sum().backward()
+    (call,) = t.calls
+    reason = aten_override.availability()["compiled"]
+    if reason is None:
+        pytest.skip("the compiled backend is built: auto does not fall back")
+    assert (call.requested, call.backend, call.fallback) == ("auto", "aten", True)
+    assert reason in call.fallback_reason
+    assert aten_override.stats()["fallback"] == 1
+
+
+def test_record_fields(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    model, x = make_net()
+    with aten_override.trace() as t:
+        model(x).sum().backward()
+    call = t.calls[2]
+    assert call.id == 3 and call.thread == threading.current_thread().name and call.thread_id == threading.get_ident()
+    assert call.args["groups"] == 2 and call.args["stride"] == [2, 2] and call.args["output_mask"] == [True, True, True]
+    weight = call.args["weight"]
+    assert (weight.shape, weight.stride, weight.dtype, weight.device) == ([4, 2, 3, 3], [18, 9, 3, 1], "float64", "cpu")
+    assert call.flags["mkldnn_enabled"] is False
+    assert set(call.flags) >= {"deterministic", "cudnn_enabled", "cudnn_fp32_precision", "mkldnn_fp32_precision"}
+    assert call.timer == "cpu" and call.time_us > 0 and call.time_us == call.host_us
+    starts = [c.start_us for c in t.calls]
+    assert starts == sorted(starts)
+
+
+def test_native_backend_names_include_unexposed_values():
+    assert tracing.conv_backend_name(torch._C._ConvBackend(9)) == "MkldnnTranspose"
+    assert tracing.conv_backend_name(torch._C._ConvBackend.Slow2d) == "Slow2d"
+    assert tracing.conv_backend_name(torch._C._ConvBackend(22)) == "MpsTranspose"
+
+
+def test_json_roundtrip(tmp_path):
+    model, x = make_net()
+    with aten_override.enable("python"), aten_override.trace(verify=True, ops=True) as t:
+        model(x).sum().backward()
+    path = tmp_path / "trace.json"
+    t.save(path)
+    raw = json.loads(path.read_text())
+    assert raw["format"] == "aten_override.trace" and raw["version"] == 1
+    assert raw["environment"]["torch"] == torch.__version__
+    assert len(raw["calls"]) == 4 and raw["ops"]
+    for call in raw["calls"]:
+        assert {"id", "thread", "module", "args", "outputs", "backend", "requested", "fallback_reason",
+                "native_backend", "flags", "time_us", "verify"} <= call.keys()
+        assert {"shape", "stride", "dtype", "device", "memory_format"} <= call["args"]["input"].keys()
+    loaded = tracing.load(path)
+    assert loaded.lines() == t.lines()
+    assert loaded.summary() == t.summary()
+    assert loaded.calls == t.calls
+
+
+def test_load_rejects_other_files(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"traceEvents": []}')
+    with pytest.raises(ValueError, match="not an aten_override.trace file"):
+        tracing.load(bad)
+    bad.write_text("not json")
+    with pytest.raises(ValueError, match="not an aten_override.trace file"):
+        tracing.load(bad)
+
+
+def test_chrome_trace(tmp_path):
+    model, x = make_net()
+    with aten_override.enable("python"), aten_override.trace(ops=True) as t:
+        model(x).sum().backward()
+    path = tmp_path / "trace.chrome.json"
+    t.save_chrome_trace(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    meta = [e for e in events if e["ph"] == "M"]
+    assert {e["name"] for e in meta} == {"process_name", "thread_name"}
+    for e in complete:
+        assert {"name", "cat", "ts", "dur", "pid", "tid", "args"} <= e.keys()
+        assert isinstance(e["ts"], float) and e["dur"] >= 0
+    convs = [e for e in complete if e["cat"] == "aten_override"]
+    assert [e["name"] for e in convs] == ["convolution_backward[python]"] * 4
+    assert [e["args"]["module"] for e in convs] == [c.module for c in t.calls]
+    assert any(e["name"] == "aten.threshold_backward" for e in complete)
+
+
+def test_ops_mode_records_backward_ops_only():
+    model, x = make_net()
+    with aten_override.trace(ops=True) as t:
+        y = model(x)  # forward ops are not recorded
+        assert t.ops == []
+        y.sum().backward()
+    names = [o.op for o in t.ops]
+    assert "aten.threshold_backward" in names and "aten.convolution_backward" not in names
+    relu = next(o for o in t.ops if o.op == "aten.threshold_backward")
+    assert relu.module == "Net" and relu.node == "ReluBackward0"
+
+
+def test_ops_between_submodules_belong_to_the_parent():
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv1d(1, 1, 1), nn.Conv1d(1, 1, 1)
+
+        def forward(self, x):
+            return self.b(self.a(x).tanh())
+
+    with aten_override.trace(ops=True) as t:
+        Parent()(torch.randn(1, 1, 3)).sum().backward()
+    assert [c.module for c in t.calls] == ["Parent.b", "Parent.a"]
+    assert {o.module for o in t.ops if o.op == "aten.tanh_backward"} == {"Parent"}
+
+
+def test_profiler_shows_backend():
+    model, x = make_net()
+    with aten_override.enable("python"), aten_override.trace():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(x).sum().backward()
+    names = [e.name for e in prof.events()]
+    assert names.count("aten_override::convolution_backward[python]") == 4
+
+
+def test_logging(caplog):
+    model, x = make_net()
+    with caplog.at_level(logging.INFO, logger="aten_override.trace"), aten_override.trace():
+        model(x).sum().backward()
+    messages = [r.getMessage() for r in caplog.records if r.name == "aten_override.trace"]
+    assert sum(m.startswith("call ") for m in messages) == 4
+    assert any("Net.features.2" in m for m in messages)
+
+
+def test_backend_error_recorded_and_raised():
+    def broken(*aten_args):
+        raise RuntimeError("convolution_backward[broken]: deliberately broken")
+
+    x = torch.randn(1, 1, 4, 4, requires_grad=True)
+    with aten_override.trace() as t:
+        with pytest.raises(RuntimeError, match="deliberately broken"):
+            with aten_override.enable(broken):
+                nn.Conv2d(1, 1, 3)(x).sum().backward()
+    (call,) = t.calls
+    assert call.error == "RuntimeError: convolution_backward[broken]: deliberately broken"
+    assert "errors:" in t.summary()
+
+
+def test_restore_after_trace_and_after_exception():
+    before = torch._C._dispatch_dump(OP)
+    x = torch.randn(1, 1, 4, 4, requires_grad=True)
+    with aten_override.trace():
+        assert aten_override.is_registered() and aten_override.active_backend() is None
+        assert torch._C._dispatch_dump(OP) != before
+    assert torch._C._dispatch_dump(OP) == before and not aten_override.is_registered()
+    with pytest.raises(ValueError):
+        with aten_override.trace():
+            nn.Conv2d(1, 1, 3)(x).sum().backward()
+            raise ValueError
+    assert torch._C._dispatch_dump(OP) == before
+    with aten_override.enable("python"):
+        registered = torch._C._dispatch_dump(OP)
+        with aten_override.trace():
+            pass
+        assert torch._C._dispatch_dump(OP) == registered and aten_override.active_backend() == "python"
+    assert torch._C._dispatch_dump(OP) == before
+
+
+def test_enable_inside_trace():
+    x = torch.randn(1, 1, 4, 4, requires_grad=True)
+    conv = nn.Conv2d(1, 1, 3)
+    with aten_override.trace() as t:
+        conv(x).sum().backward()
+        with aten_override.enable("python"):
+            conv(x).sum().backward()
+        conv(x).sum().backward()
+    assert [c.backend for c in t.calls] == ["aten", "python", "aten"]
+
+
+def test_nested_traces_both_record():
+    x = torch.randn(1, 1, 4, 4, requires_grad=True)
+    conv = nn.Conv2d(1, 1, 3)
+    with aten_override.trace() as outer:
+        conv(x).sum().backward()
+        with aten_override.trace() as inner:
+            conv(x).sum().backward()
+    assert len(outer.calls) == 2 and len(inner.calls) == 1
+    with pytest.raises(RuntimeError, match="already active"):
+        with inner, inner:
+            pass
+
+
+def test_backward_on_another_thread():
+    x = torch.randn(1, 1, 4, 4, requires_grad=True)
+    conv = nn.Conv2d(1, 1, 3)
+    with aten_override.trace() as t:
+        worker = threading.Thread(target=lambda: conv(x).sum().backward(), name="worker")
+        worker.start()
+        worker.join()
+    (call,) = t.calls
+    assert call.thread == "worker" and call.thread_id == worker.ident and call.module == "Conv2d"
+    assert "thread=worker" in t.format()
+
+
+def test_no_hook_when_off():
+    x = torch.randn(1, 1, 4, 4, requires_grad=True)
+    with aten_override.enable("python"):
+        assert _registration._state.observer is None
+        nn.Conv2d(1, 1, 3)(x).sum().backward()
+    assert aten_override.stats()["python"] == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_event_timing():
+    conv = nn.Conv2d(3, 4, 3).cuda()
+    x = torch.randn(2, 3, 8, 8, device="cuda", requires_grad=True)
+    with aten_override.enable("python"), aten_override.trace(verify=True) as t:
+        conv(x).sum().backward()
+    (call,) = t.calls
+    assert call.backend == "python" and call.timer == "cuda_event" and call.time_us > 0
+    assert call.args["input"].device == "cuda:0" and call.verify.ok
