@@ -106,19 +106,26 @@ def call_original(keyset, aten_args: tuple):
 
 
 def _route(keyset, aten_args: tuple, impl: Implementation):
-    """Serve one call with ``impl`` (or the original kernel); returns ``(result, Decision)``."""
+    """Serve one call with ``impl`` (or the original kernel); returns ``(result, Decision)``.
+
+    The decision is counted (:func:`stats`) before the implementation runs, so calls that raise
+    are counted too."""
     if impl.is_aten:
-        return call_original(keyset, aten_args), Decision(impl.name, impl.name)
+        decision = Decision(impl.name, impl.name)
+        _count(decision)
+        return call_original(keyset, aten_args), decision
     args = ConvolutionBackwardArgs(*aten_args)
     chosen, reason = impl.select(args)
+    decision = Decision(impl.name, chosen.name, reason)
+    _count(decision)
     if chosen.is_aten:
-        return call_original(keyset, aten_args), Decision(impl.name, chosen.name, reason)
+        return call_original(keyset, aten_args), decision
     try:
         result = chosen(args)
     except Exception as e:
         e.add_note(f"aten_override: raised by backend {chosen.name!r} serving {OP}; the dispatcher is unchanged")
         raise
-    return result, Decision(impl.name, chosen.name)
+    return result, decision
 
 
 def _kernel(keyset, *aten_args):
@@ -127,11 +134,8 @@ def _kernel(keyset, *aten_args):
         impl = ATEN_IMPL
     observer = _state.observer
     if observer is not None:
-        result, decision = observer(keyset, aten_args, impl, _route)
-    else:
-        result, decision = _route(keyset, aten_args, impl)
-    _count(decision)
-    return result
+        return observer(keyset, aten_args, impl, _route)[0]
+    return _route(keyset, aten_args, impl)[0]
 
 
 def _count(decision: Decision) -> None:

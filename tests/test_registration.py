@@ -1,0 +1,180 @@
+"""Registration lifecycle: nothing at import, nesting, exceptions, restore, threads, errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import aten_override
+from aten_override import Backend
+
+OP = "aten::convolution_backward"
+
+
+def dump() -> str:
+    return torch._C._dispatch_dump(OP)
+
+
+def conv_backward_once():
+    x = torch.randn(1, 2, 6, 6, requires_grad=True)
+    w = torch.randn(3, 2, 3, 3, requires_grad=True)
+    torch.nn.functional.conv2d(x, w).sum().backward()
+    return x.grad, w.grad
+
+
+def test_import_registers_nothing():
+    code = (
+        "import torch; before = torch._C._dispatch_dump('aten::convolution_backward');"
+        "import aten_override; assert torch._C._dispatch_dump('aten::convolution_backward') == before;"
+        "assert not aten_override.is_registered(); print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+
+
+def test_enable_registers_cpu_and_cuda_from_one_module_and_restores():
+    before = dump()
+    assert "_registration.py" not in before
+    with aten_override.enable("python"):
+        during = dump()
+        assert aten_override.is_registered()
+        for key in ("CPU", "CUDA"):
+            line = next(line for line in during.splitlines() if line.startswith(f"{key}:"))
+            assert "aten_override/_registration.py" in line, line
+        conv_backward_once()
+    assert dump() == before
+    assert not aten_override.is_registered()
+    assert aten_override.stats()["python"] == 1
+
+
+def test_nesting_inner_wins_and_outer_is_restored():
+    with aten_override.enable("python"):
+        assert aten_override.active_backend() == "python"
+        with aten_override.enable(Backend.ATEN):
+            assert aten_override.active_backend() == "aten"
+            conv_backward_once()
+        assert aten_override.active_backend() == "python"
+        conv_backward_once()
+    assert aten_override.active_backend() is None
+    stats = aten_override.stats()
+    assert stats["aten"] == 1 and stats["python"] == 1
+
+
+def test_exception_restores():
+    before = dump()
+    with pytest.raises(KeyError):
+        with aten_override.enable("python"):
+            raise KeyError("boom")
+    assert dump() == before and aten_override.active_backend() is None
+
+
+def test_keyboard_interrupt_restores():
+    before = dump()
+    with pytest.raises(KeyboardInterrupt):
+        with aten_override.enable("python"):
+            raise KeyboardInterrupt
+    assert dump() == before
+
+
+def test_decorator_and_reuse():
+    ctx = aten_override.enable("python")
+
+    @ctx
+    def step():
+        assert aten_override.active_backend() == "python"
+        return conv_backward_once()
+
+    step()
+    step()
+    with ctx:
+        with ctx:  # the same object, re-entered
+            assert aten_override.active_backend() == "python"
+    assert aten_override.stats()["python"] == 2
+
+
+def test_backend_strings_and_enum_members_are_equivalent():
+    assert Backend("python") is Backend.PYTHON
+    assert aten_override.enable("PYTHON").impl is aten_override.enable(Backend.PYTHON).impl
+
+
+def test_unknown_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"unknown backend 'cuda_magic'.*'python'"):
+        aten_override.enable("cuda_magic")
+
+
+def test_unavailable_backend_says_why():
+    reason = aten_override.availability()["compiled"]
+    if reason is None:
+        pytest.skip("the compiled backend is available in this build")
+    with pytest.raises(RuntimeError, match="backend 'compiled' is unavailable: compiled kernels not built"):
+        aten_override.enable("compiled")
+
+
+def test_failing_backend_leaves_dispatcher_unchanged_and_next_call_works():
+    def broken(*args):
+        raise ValueError("deliberately broken backend")
+
+    before = dump()
+    with aten_override.enable(broken):
+        with pytest.raises(ValueError, match="deliberately broken") as info:
+            conv_backward_once()
+        assert any("raised by backend 'broken'" in note for note in getattr(info.value, "__notes__", []))
+    assert dump() == before
+    conv_backward_once()  # native again
+
+
+def test_original_kernel_is_the_one_captured_before_registering():
+    x = torch.randn(2, 3, 7, 7)
+    w = torch.randn(4, 3, 3, 3)
+    go = torch.randn(2, 4, 5, 5)
+    args = (go, x, w, [4], [1], [0], [1], False, [0], 1, [True, True, True])
+    native = torch.ops.aten.convolution_backward.default(*args)
+    with aten_override.enable(lambda *a: (_ for _ in ()).throw(AssertionError("must not run"))):
+        original = aten_override.original_kernel("cpu")(*args)
+    for a, b in zip(native, original):
+        assert torch.equal(a, b)
+
+
+def test_install_keeps_registration_across_enables():
+    before = dump()
+    aten_override.install()
+    try:
+        assert aten_override.is_registered()
+        conv_backward_once()  # served by the original kernel through our registration
+        with aten_override.enable("python"):
+            conv_backward_once()
+        assert aten_override.is_registered()
+    finally:
+        aten_override.uninstall()
+    assert dump() == before
+    assert aten_override.stats()["python"] == 1 and aten_override.stats()["aten"] == 1
+    with pytest.raises(RuntimeError, match="without a matching install"):
+        aten_override.uninstall()
+
+
+def test_enable_is_process_global_autograd_threads_see_it():
+    """Backward on another thread (as autograd's CUDA workers do) is served by the active backend."""
+    results = []
+    with aten_override.enable("python"):
+        t = threading.Thread(target=lambda: results.append(conv_backward_once()))
+        t.start()
+        t.join()
+    assert len(results) == 1
+    assert aten_override.stats()["python"] == 1
+
+
+def test_interpreter_exit_while_enabled_is_clean():
+    code = (
+        "import torch, aten_override;"
+        "ctx = aten_override.enable('python'); ctx.__enter__();"
+        "x = torch.randn(1, 2, 5, 5, requires_grad=True); w = torch.randn(3, 2, 3, 3, requires_grad=True);"
+        "torch.nn.functional.conv2d(x, w).sum().backward(); print(aten_override.stats()['python'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
+    assert "Traceback" not in out.stderr and "Abort" not in out.stderr
