@@ -185,3 +185,18 @@ def test_bypass_reasons_default_config_is_empty():
 def test_backends_param_is_not_empty():
     """Guards the parametrization: with no backend available every test above would vanish."""
     assert "python" in BACKENDS
+
+
+def test_stride_check_catches_a_wrong_layout(stride_check):
+    """The observer above can fail: a backend returning contiguous grads for a channels_last call
+    (what pytorch#171622 was about) is reported."""
+    original = aten_override.original_kernel("cpu")
+
+    def contiguous_grads(*aten_args):
+        return tuple(None if t is None else t.contiguous() for t in original(*aten_args))
+
+    m, x = _model(True), _input(True)
+    with aten_override.enable(contiguous_grads):
+        _grads(m, x)
+    assert stride_check.checked == 3
+    assert any("grad_input" in s for s in stride_check.mismatches), stride_check.mismatches
