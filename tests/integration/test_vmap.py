@@ -92,3 +92,20 @@ def test_per_sample_grads(backend, dim, dtype):
     for (name, gv), e in zip(got.items(), expected):
         assert gv.shape == (BATCH, *params[name].shape)
         torch.testing.assert_close(gv, e, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_bench_vmap_script_runs():
+    """scripts/bench_vmap.py end to end on a tiny problem: every backend served its calls."""
+    from ..backend_params import BACKENDS, run_python
+
+    proc = run_python(
+        ["scripts/bench_vmap.py", "--batch", "4", "--rounds", "1", "--min-run-time", "0.01", "--channels", "4", "--size", "8"],
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["batch", "backend", "aten_us", "backend_us", "ratio", "calls_served", "max_abs_err"]
+    rows = [line.split() for line in lines[1:] if line.split() and line.split()[0].isdigit()]
+    assert [r[1] for r in rows] == BACKENDS
+    assert all(int(r[5]) > 0 and float(r[6]) < 1e-4 for r in rows), lines
