@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+import aten_override
 from aten_override import _registration
 
 from ..backend_params import parametrize_backend, served
@@ -109,3 +110,29 @@ def test_bench_vmap_script_runs():
     rows = [line.split() for line in lines[1:] if line.split() and line.split()[0].isdigit()]
     assert [r[1] for r in rows] == BACKENDS
     assert all(int(r[5]) > 0 and float(r[6]) < 1e-4 for r in rows), lines
+
+
+@parametrize_backend
+def test_expanded_weights_do_not_call_convolution_backward(backend):
+    """Not every per-sample mode is ours: ``call_for_per_sample_grads`` (ExpandedWeights, Opacus'
+    hooks mode works alike) computes per-sample conv grads with its own autograd function (unfold +
+    einsum, or a grouped forward conv) and never calls ``aten::convolution_backward``; results are
+    upstream's, with or without ``enable``."""
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, groups=2)).double()
+    x = torch.randn(BATCH, 3, 8, 8, dtype=torch.float64)
+
+    def per_sample():
+        for p in model.parameters():
+            p.grad_sample = p.grad = None
+        call_for_per_sample_grads(model)(x).sum().backward()
+        return [p.grad_sample.clone() for p in model.parameters()]
+
+    expected = per_sample()
+    aten_override.reset_stats()
+    with aten_override.enable(backend):
+        got = per_sample()
+    assert set(aten_override.stats()) == {"fallback_reasons"}, aten_override.stats()
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
