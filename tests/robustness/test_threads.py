@@ -15,8 +15,9 @@ Modes (see aten_override/_registration.py, "Threads"):
   torch 2.13.0+cpu: worker threads intermittently die with
   ``RuntimeError: interpreter == pyinterpreter_ INTERNAL ASSERT FAILED at c10/core/SafePyObject.cpp:6``
   or ``AttributeError: 'Tensor' object has no attribute 'has'`` (our ``with_keyset`` kernel called
-  without its keyset: the dispatcher read a kernel entry being replaced). Those are reported as
-  xfail; a mixed result, a wrong value or a dead process fails the test.
+  without its keyset: the dispatcher read a kernel entry being replaced). torch.library alone
+  reproduces it (tests/robustness/repro_register_race.py). Those errors are reported as xfail; a
+  mixed result, a wrong value or a dead process fails the test.
 """
 
 from __future__ import annotations
