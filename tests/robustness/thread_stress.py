@@ -1,6 +1,6 @@
 r"""Backward in worker threads while another thread enters and leaves ``enable(backend)``.
 
-    python thread_stress.py --backend B --mode pinned|unpinned [--toggles N] [--workers W]
+    python thread_stress.py --backend B --mode pinned|unpinned [--toggles N] [--workers W] [--togglers T]
 
 Run as a child interpreter by tests/robustness/test_threads.py, so that a crash in the dispatcher
 is an exit status, not a dead test session. ``pinned`` holds ``aten_override.install()`` for the
@@ -10,8 +10,9 @@ only flips the active backend); ``unpinned`` registers and deregisters at every 
 Every worker call is one ``aten::convolution_backward`` (autograd of one ``conv2d``) whose three
 gradients are compared bitwise with the native result and the backend's result, computed before the
 threads start (they differ in every component, so a call served half by each would show). Prints one
-JSON line: counts of calls classified ``native`` / ``backend`` / ``mixed`` / ``other``, the stats, and
-the final dispatcher state.
+JSON line: counts of all calls (workers' and togglers') classified ``native`` / ``backend`` /
+``mixed`` / ``other``, the togglers' own calls inside and outside their blocks, the stats, and the
+final dispatcher state.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main() -> None:
     p.add_argument("--mode", choices=("pinned", "unpinned"), required=True)
     p.add_argument("--toggles", type=int, default=2000)
     p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--togglers", type=int, default=1, help="threads entering and leaving enable()")
     args = p.parse_args()
     torch.set_num_threads(1)
     problem = _problem()
@@ -59,46 +61,60 @@ def main() -> None:
     done = threading.Event()
     errors: list[str] = []
 
+    def classified_call() -> str:
+        got = _backward(*problem)
+        is_native = [torch.equal(g, n) for g, n in zip(got, native)]
+        is_ours = [torch.equal(g, o) for g, o in zip(got, ours)]
+        if all(is_native):
+            kind = "native"
+        elif all(is_ours):
+            kind = "backend"
+        elif all(n or o for n, o in zip(is_native, is_ours)):
+            kind = "mixed"
+        else:
+            kind = "other"
+        with counts_lock:
+            counts[kind] += 1
+        return kind
+
     def worker():
         try:
             while not done.is_set():
-                got = _backward(*problem)
-                is_native = [torch.equal(g, n) for g, n in zip(got, native)]
-                is_ours = [torch.equal(g, o) for g, o in zip(got, ours)]
-                if all(is_native):
-                    kind = "native"
-                elif all(is_ours):
-                    kind = "backend"
-                elif all(n or o for n, o in zip(is_native, is_ours)):
-                    kind = "mixed"
-                else:
-                    kind = "other"
-                with counts_lock:
-                    counts[kind] += 1
+                classified_call()
         except BaseException as e:  # reported, not swallowed
             errors.append(f"{type(e).__name__}: {e}")
+
+    # One enable object shared by every toggling thread (its tokens are per thread).
+    ctx = aten_override.enable(args.backend)
+    toggler = {"inside": {}, "outside": {}}  # kinds of the toggling threads' own calls
+
+    def toggle():
+        try:
+            for i in range(args.toggles):
+                with ctx:
+                    if i % 4 == 0:  # sometimes let calls land inside the block,
+                        kind = classified_call()
+                        with counts_lock:
+                            toggler["inside"][kind] = toggler["inside"].get(kind, 0) + 1
+                if i % 4 == 2:  # and sometimes stay out a while, so workers see both states
+                    kind = classified_call()
+                    with counts_lock:
+                        toggler["outside"][kind] = toggler["outside"].get(kind, 0) + 1
+        except BaseException as e:
+            errors.append(f"toggler: {type(e).__name__}: {e}")
 
     if args.mode == "pinned":
         aten_override.install()
     aten_override.reset_stats()
     threads = [threading.Thread(target=worker) for _ in range(args.workers)]
-    for t in threads:
+    togglers = [threading.Thread(target=toggle) for _ in range(args.togglers)]
+    for t in threads + togglers:
         t.start()
-    ctx = aten_override.enable(args.backend)
-    toggler = {"inside": 0, "outside": 0}  # the toggling thread's own calls
-    try:
-        for i in range(args.toggles):
-            with ctx:
-                if i % 4 == 0:  # sometimes let calls land inside the block,
-                    _backward(*problem)
-                    toggler["inside"] += 1
-            if i % 4 == 2:  # and sometimes stay out a while, so workers see both states
-                _backward(*problem)
-                toggler["outside"] += 1
-    finally:
-        done.set()
-        for t in threads:
-            t.join()
+    for t in togglers:
+        t.join()
+    done.set()
+    for t in threads:
+        t.join()
     stats = aten_override.stats()
     if args.mode == "pinned":
         aten_override.uninstall()
