@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from helpers import assert_matches_original, run_backend
+from tests.helpers import assert_matches_original, run_backend
 
 MASKS = [list(m) for m in itertools.product([True, False], repeat=3)]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import aten_override
-from helpers import assert_matches_original, run_backend
+from tests.helpers import assert_matches_original, run_backend
 
 cb = torch.ops.aten.convolution_backward.default
 ALL = [True, True, True]

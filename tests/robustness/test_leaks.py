@@ -89,7 +89,7 @@ def test_enable_exit_cycles(backend, pinned):
         if pinned:
             aten_override.uninstall()
     # A handful of objects churn (weakrefs, frames of gc itself); a leak per cycle would be 10,000.
-    _assert_same(before, after, allowed_growth=50)
+    _assert_same(before, after, allowed_growth=CYCLES // 20)  # a per-cycle leak is >= CYCLES; lazy one-off caches are not
     budget = 0 if pinned else NATIVE_BYTES_PER_REGISTRATION * CYCLES
     # Pages are 4 KiB: allow a few pages of allocator noise even when nothing is registered.
     assert rss1 - rss0 <= budget + 64 * PAGE, f"RSS grew {(rss1 - rss0) / 1024:.0f} KiB over {CYCLES} cycles"
@@ -116,6 +116,6 @@ def test_calls_under_backend(backend):
     assert served == CALLS
     for r, e in zip(result, expected):
         torch.testing.assert_close(r, e)
-    _assert_same(before, after, allowed_growth=50)
+    _assert_same(before, after, allowed_growth=CYCLES // 20)  # a per-cycle leak is >= CYCLES; lazy one-off caches are not
     assert rss1 - rss0 <= 256 * PAGE, f"RSS grew {(rss1 - rss0) / 1024:.0f} KiB over {CALLS} calls"
     assert_dispatcher_native()
