@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 
 from . import _registration
 from .backends import BackendLike, implementation
+from .compile_bypass import bypass_reasons
 
 __all__ = ["enable", "install", "uninstall"]
 
@@ -53,6 +55,8 @@ class enable(contextlib.ContextDecorator):
         self._tokens = threading.local()
 
     def __enter__(self):
+        for reason in bypass_reasons():
+            warnings.warn(f"aten_override.enable({self.impl.name!r}): {reason}", stacklevel=2)
         stack = self._tokens.__dict__.setdefault("stack", [])
         stack.append(_registration.push(self.impl))
         return self

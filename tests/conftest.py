@@ -7,13 +7,7 @@ import torch
 
 import aten_override
 
-# Backends we implement (not the original kernel itself), available in this process.
-OUR_BACKENDS = [
-    name
-    for name, reason in aten_override.availability().items()
-    if reason is None and name not in ("aten", "auto")
-]
-UNAVAILABLE = {name: reason for name, reason in aten_override.availability().items() if reason is not None}
+from tests.backend_params import BACKENDS as OUR_BACKENDS
 
 NO_CUDA = "no CUDA device in this process (CI has no GPU; run scripts/gpu_check.sh on a GPU machine)"
 DEVICES = [
