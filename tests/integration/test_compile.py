@@ -162,7 +162,7 @@ def test_cpp_wrapper_bypasses_the_override(backend):
     with inductor_config.patch(cpp_wrapper=True):
         assert any("cpp_wrapper" in r for r in bypass_reasons())
         compiled = torch.compile(m, backend="inductor")
-        with aten_override.enable(backend):
+        with pytest.warns(UserWarning, match=r"aten_override.enable\(.*cpp_wrapper is on"), aten_override.enable(backend):
             aten_override.reset_stats()
             got = _grads(compiled, x)
             assert calls(backend) == 0, aten_override.stats()
