@@ -1,0 +1,282 @@
+// The fused direct kernel of the compiled backend: grad_input and grad_weight of depthwise (with
+// channel multiplier), grouped and one-channel convolutions, 1-D/2-D/3-D, any stride, padding and
+// dilation (not transposed).
+//
+// Each input plane (one sample, one channel) is copied once into a zero-padded buffer whose
+// innermost (W) dim is split by stride phase: padded column j lives at [j % stride][j / stride].
+// Every kernel tap then reads or writes a *contiguous* row segment for a contiguous row of
+// grad_output, whatever the stride, so the inner loops are unit-stride and vectorize:
+//   grad_input:  plane_row[tap + w] += weight[tap] * grad_output_row[w]   (axpy, scattered back)
+//   grad_weight: acc[tap] += sum_w grad_output_row[w] * plane_row[tap + w] (dot)
+// grad_input is parallel over (sample, input channel) and grad_weight over output channels, so no
+// two threads write the same element: no atomics, and the result does not depend on the thread
+// count (deterministic). The hot loops are compiled for AVX-512 / AVX2+FMA / baseline x86-64 and
+// picked at load time (GCC/Clang target_clones); at::vec is not used because its SIMD paths are
+// only enabled inside ATen's own per-capability build.
+#include "../convolution_backward.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
+#define ATEN_OVERRIDE_CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+#else
+#define ATEN_OVERRIDE_CLONES
+#endif
+
+namespace aten_override {
+namespace {
+
+// Layout of one zero-padded, phase-split input plane and of the walk over grad_output rows.
+struct Geometry {
+  int64_t out_t, out_h, out_w;  // grad_output spatial size
+  int64_t stride_t, stride_h;
+  int64_t rows_h;     // padded H
+  int64_t width;      // columns per W phase
+  int64_t row_size;   // phases * width
+  int64_t plane_size; // padded T * padded H * row_size
+  int64_t taps;       // kernel elements
+  const int64_t* tap_offset;  // offset of each kernel tap from a grad_output row's base
+  int64_t in_per_group;
+};
+
+template <typename acc_t>
+inline __attribute__((always_inline)) void axpy(acc_t* __restrict y, acc_t a, const acc_t* __restrict x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    y[i] += a * x[i];
+  }
+}
+
+template <typename acc_t>
+inline __attribute__((always_inline)) acc_t dot(const acc_t* __restrict x, const acc_t* __restrict y, int64_t n) {
+  acc_t s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) {
+    s += x[i] * y[i];
+  }
+  return s;
+}
+
+// plane += weight (*) grad_output plane, for one (input channel, output channel) pair.
+template <typename acc_t>
+inline __attribute__((always_inline)) void scatter_plane(
+    const Geometry& g, acc_t* plane, const acc_t* grad_output, const acc_t* weight) {
+  for (int64_t t = 0; t < g.out_t; ++t) {
+    for (int64_t h = 0; h < g.out_h; ++h) {
+      const acc_t* go_row = grad_output + (t * g.out_h + h) * g.out_w;
+      acc_t* base = plane + (t * g.stride_t * g.rows_h + h * g.stride_h) * g.row_size;
+      for (int64_t k = 0; k < g.taps; ++k) {
+        axpy(base + g.tap_offset[k], weight[k], go_row, g.out_w);
+      }
+    }
+  }
+}
+
+// acc[ci][tap] += sum over grad_output of grad_output * input, for one output channel.
+template <typename acc_t>
+inline __attribute__((always_inline)) void correlate_plane(
+    const Geometry& g, acc_t* acc, const acc_t* planes, const acc_t* grad_output) {
+  for (int64_t t = 0; t < g.out_t; ++t) {
+    for (int64_t h = 0; h < g.out_h; ++h) {
+      const acc_t* go_row = grad_output + (t * g.out_h + h) * g.out_w;
+      const int64_t base = (t * g.stride_t * g.rows_h + h * g.stride_h) * g.row_size;
+      for (int64_t ci = 0; ci < g.in_per_group; ++ci) {
+        const acc_t* plane = planes + ci * g.plane_size + base;
+        acc_t* a = acc + ci * g.taps;
+        for (int64_t k = 0; k < g.taps; ++k) {
+          a[k] += dot(go_row, plane + g.tap_offset[k], g.out_w);
+        }
+      }
+    }
+  }
+}
+
+ATEN_OVERRIDE_CLONES void scatter_plane_f(const Geometry& g, float* p, const float* go, const float* w) {
+  scatter_plane(g, p, go, w);
+}
+ATEN_OVERRIDE_CLONES void scatter_plane_d(const Geometry& g, double* p, const double* go, const double* w) {
+  scatter_plane(g, p, go, w);
+}
+ATEN_OVERRIDE_CLONES void correlate_plane_f(const Geometry& g, float* a, const float* p, const float* go) {
+  correlate_plane(g, a, p, go);
+}
+ATEN_OVERRIDE_CLONES void correlate_plane_d(const Geometry& g, double* a, const double* p, const double* go) {
+  correlate_plane(g, a, p, go);
+}
+inline void scatter(const Geometry& g, float* p, const float* go, const float* w) { scatter_plane_f(g, p, go, w); }
+inline void scatter(const Geometry& g, double* p, const double* go, const double* w) { scatter_plane_d(g, p, go, w); }
+inline void correlate(const Geometry& g, float* a, const float* p, const float* go) { correlate_plane_f(g, a, p, go); }
+inline void correlate(const Geometry& g, double* a, const double* p, const double* go) { correlate_plane_d(g, a, p, go); }
+
+struct Layout {
+  Geometry geometry;
+  std::vector<int64_t> tap_offset;
+  int64_t in_plane, out_plane;
+};
+
+Layout make_layout(const DirectProblem& p) {
+  Layout l;
+  Geometry& g = l.geometry;
+  const int64_t rows_t = p.in[0] + 2 * p.padding[0];
+  g.rows_h = p.in[1] + 2 * p.padding[1];
+  const int64_t phases = p.stride[2];
+  g.width = (p.in[2] + 2 * p.padding[2] + phases - 1) / phases;
+  g.row_size = phases * g.width;
+  g.plane_size = rows_t * g.rows_h * g.row_size;
+  g.out_t = p.out[0];
+  g.out_h = p.out[1];
+  g.out_w = p.out[2];
+  g.stride_t = p.stride[0];
+  g.stride_h = p.stride[1];
+  g.taps = p.kernel[0] * p.kernel[1] * p.kernel[2];
+  g.in_per_group = p.in_per_group;
+  for (int64_t kt = 0; kt < p.kernel[0]; ++kt) {
+    for (int64_t kh = 0; kh < p.kernel[1]; ++kh) {
+      for (int64_t kw = 0; kw < p.kernel[2]; ++kw) {
+        const int64_t col = kw * p.dilation[2];
+        l.tap_offset.push_back(
+            (kt * p.dilation[0] * g.rows_h + kh * p.dilation[1]) * g.row_size + (col % phases) * g.width +
+            col / phases);
+      }
+    }
+  }
+  g.tap_offset = l.tap_offset.data();
+  l.in_plane = p.in[0] * p.in[1] * p.in[2];
+  l.out_plane = p.out[0] * p.out[1] * p.out[2];
+  return l;
+}
+
+// Padded column j of an input row lives at phase j % stride, position j / stride.
+inline int64_t packed_column(const DirectProblem& p, const Geometry& g, int64_t w) {
+  const int64_t j = w + p.padding[2];
+  return (j % p.stride[2]) * g.width + j / p.stride[2];
+}
+
+template <typename scalar_t, typename acc_t>
+void pack_plane(const DirectProblem& p, const Geometry& g, const scalar_t* src, acc_t* dst) {
+  std::fill(dst, dst + g.plane_size, acc_t(0));
+  for (int64_t t = 0; t < p.in[0]; ++t) {
+    for (int64_t h = 0; h < p.in[1]; ++h) {
+      const scalar_t* row = src + (t * p.in[1] + h) * p.in[2];
+      acc_t* out = dst + ((t + p.padding[0]) * g.rows_h + h + p.padding[1]) * g.row_size;
+      if (p.stride[2] == 1) {
+        std::copy(row, row + p.in[2], out + p.padding[2]);  // converts scalar_t -> acc_t
+      } else {
+        for (int64_t w = 0; w < p.in[2]; ++w) {
+          out[packed_column(p, g, w)] = static_cast<acc_t>(row[w]);
+        }
+      }
+    }
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void unpack_plane(const DirectProblem& p, const Geometry& g, const acc_t* src, scalar_t* dst) {
+  for (int64_t t = 0; t < p.in[0]; ++t) {
+    for (int64_t h = 0; h < p.in[1]; ++h) {
+      const acc_t* row = src + ((t + p.padding[0]) * g.rows_h + h + p.padding[1]) * g.row_size;
+      scalar_t* out = dst + (t * p.in[1] + h) * p.in[2];
+      if (p.stride[2] == 1) {
+        std::copy(row + p.padding[2], row + p.padding[2] + p.in[2], out);
+      } else {
+        for (int64_t w = 0; w < p.in[2]; ++w) {
+          out[w] = static_cast<scalar_t>(row[packed_column(p, g, w)]);
+        }
+      }
+    }
+  }
+}
+
+// grad_output plane as acc_t: the tensor's own memory when the types agree, else a converted copy.
+template <typename scalar_t, typename acc_t>
+const acc_t* as_acc(const scalar_t* src, int64_t n, std::vector<acc_t>& buffer) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return src;
+  } else {
+    buffer.resize(n);
+    std::copy(src, src + n, buffer.begin());
+    return buffer.data();
+  }
+}
+
+template <typename scalar_t>
+using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+template <typename scalar_t>
+void grad_input_impl(const DirectProblem& p, const scalar_t* go, const scalar_t* w, scalar_t* gi) {
+  using acc_t = acc_type<scalar_t>;
+  const Layout l = make_layout(p);
+  const Geometry& g = l.geometry;
+  const int64_t c_in = p.groups * p.in_per_group, c_out = p.groups * p.out_per_group;
+  at::parallel_for(0, p.batch * c_in, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> plane(g.plane_size), go_buffer, w_buffer(g.taps);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / c_in, c = task % c_in;
+      const int64_t group = c / p.in_per_group, ci = c % p.in_per_group;
+      std::fill(plane.begin(), plane.end(), acc_t(0));
+      for (int64_t co = group * p.out_per_group; co < (group + 1) * p.out_per_group; ++co) {
+        const acc_t* go_plane = as_acc<scalar_t, acc_t>(go + (n * c_out + co) * l.out_plane, l.out_plane, go_buffer);
+        const scalar_t* wk = w + (co * p.in_per_group + ci) * g.taps;
+        std::copy(wk, wk + g.taps, w_buffer.begin());
+        scatter(g, plane.data(), go_plane, w_buffer.data());
+      }
+      unpack_plane(p, g, plane.data(), gi + task * l.in_plane);
+    }
+  });
+}
+
+template <typename scalar_t>
+void grad_weight_impl(const DirectProblem& p, const scalar_t* go, const scalar_t* x, scalar_t* gw) {
+  using acc_t = acc_type<scalar_t>;
+  const Layout l = make_layout(p);
+  const Geometry& g = l.geometry;
+  const int64_t c_in = p.groups * p.in_per_group, c_out = p.groups * p.out_per_group;
+  const int64_t per_channel = p.in_per_group * g.taps;
+  at::parallel_for(0, c_out, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> planes(p.in_per_group * g.plane_size), go_buffer, acc((end - begin) * per_channel, acc_t(0));
+    const int64_t first_group = begin / p.out_per_group, last_group = (end - 1) / p.out_per_group;
+    for (int64_t n = 0; n < p.batch; ++n) {
+      for (int64_t group = first_group; group <= last_group; ++group) {
+        for (int64_t ci = 0; ci < p.in_per_group; ++ci) {
+          const int64_t c = group * p.in_per_group + ci;
+          pack_plane(p, g, x + (n * c_in + c) * l.in_plane, planes.data() + ci * g.plane_size);
+        }
+        const int64_t co_end = std::min(end, (group + 1) * p.out_per_group);
+        for (int64_t co = std::max(begin, group * p.out_per_group); co < co_end; ++co) {
+          const acc_t* go_plane = as_acc<scalar_t, acc_t>(go + (n * c_out + co) * l.out_plane, l.out_plane, go_buffer);
+          correlate(g, acc.data() + (co - begin) * per_channel, planes.data(), go_plane);
+        }
+      }
+    }
+    std::transform(acc.begin(), acc.end(), gw + begin * per_channel, [](acc_t v) { return static_cast<scalar_t>(v); });
+  });
+}
+
+}  // namespace
+
+void direct_grad_input_cpu(
+    const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& weight, at::Tensor& grad_input) {
+  TORCH_INTERNAL_ASSERT(grad_output.is_contiguous() && weight.is_contiguous() && grad_input.is_contiguous());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_input.scalar_type(), "direct_grad_input_cpu", [&] {
+    grad_input_impl<scalar_t>(
+        p, grad_output.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), grad_input.data_ptr<scalar_t>());
+  });
+}
+
+void direct_grad_weight_cpu(
+    const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, at::Tensor& grad_weight) {
+  TORCH_INTERNAL_ASSERT(grad_output.is_contiguous() && input.is_contiguous() && grad_weight.is_contiguous());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_weight.scalar_type(), "direct_grad_weight_cpu", [&] {
+    grad_weight_impl<scalar_t>(
+        p, grad_output.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(), grad_weight.data_ptr<scalar_t>());
+  });
+}
+
+}  // namespace aten_override
