@@ -364,8 +364,12 @@ Result compiled_backward(const Args& a) {
       return direct_backward(a, e);
     case LayerClass::Dense:
     case LayerClass::Transposed:
-    case LayerClass::NoOutputChannels:
-      return call_original(a);
+    case LayerClass::NoOutputChannels: {
+      // Some native paths compute (and return) outputs the mask did not ask for: drop them.
+      auto [gi, gw, gb] = call_original(a);
+      return {a.output_mask[0] ? gi : at::Tensor(), a.output_mask[1] ? gw : at::Tensor(),
+              a.output_mask[2] ? gb : at::Tensor()};
+    }
     case LayerClass::Count:
       break;
   }
