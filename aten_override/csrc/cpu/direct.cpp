@@ -6,13 +6,15 @@
 // innermost (W) dim is split by stride phase: padded column j lives at [j % stride][j / stride].
 // Every kernel tap then reads or writes a *contiguous* row segment for a contiguous row of
 // grad_output, whatever the stride, so the inner loops are unit-stride and vectorize:
-//   grad_input:  plane_row[tap + w] += weight[tap] * grad_output_row[w]   (axpy, scattered back)
-//   grad_weight: acc[tap] += sum_w grad_output_row[w] * plane_row[tap + w] (dot)
+//   grad_input:  plane_row[tap + w] += weight[tap] * grad_output_row[w]   (scattered back)
+//   grad_weight: acc[tap] += sum_w grad_output_row[w] * plane_row[tap + w]
+// grad_weight takes up to 8 taps per pass over grad_output: one grad_output vector feeds all of them
+// and their sums stay in vector registers over the whole plane.
 // grad_input is parallel over (sample, input channel) and grad_weight over output channels, so no
 // two threads write the same element: no atomics, and the result does not depend on the thread
 // count (deterministic). The hot loops are compiled for AVX-512 / AVX2+FMA / baseline x86-64 and
-// picked at load time (GCC/Clang target_clones); at::vec is not used because its SIMD paths are
-// only enabled inside ATen's own per-capability build.
+// picked at load time (GCC/Clang target_clones); the vectors are GCC/Clang vector extensions (at::vec
+// is not used: its SIMD paths are only enabled inside ATen's own per-capability build).
 #include "../convolution_backward.h"
 
 #include <ATen/Dispatch.h>
@@ -25,7 +27,7 @@
 #include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
-#define ATEN_OVERRIDE_CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+#define ATEN_OVERRIDE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define ATEN_OVERRIDE_CLONES
 #endif
@@ -46,55 +48,153 @@ struct Geometry {
   int64_t in_per_group;
 };
 
+// 32-byte vectors (GCC/Clang vector extensions): AVX(2) registers in the haswell / skylake-avx512
+// clones, SSE pairs in the baseline one. Loads and stores are unaligned.
+typedef float vfloat __attribute__((vector_size(32), aligned(4)));
+typedef double vdouble __attribute__((vector_size(32), aligned(8)));
 template <typename acc_t>
-inline __attribute__((always_inline)) void axpy(acc_t* __restrict y, acc_t a, const acc_t* __restrict x, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    y[i] += a * x[i];
+struct VecOf;
+template <>
+struct VecOf<float> {
+  using type = vfloat;
+};
+template <>
+struct VecOf<double> {
+  using type = vdouble;
+};
+
+template <typename acc_t>
+inline __attribute__((always_inline)) typename VecOf<acc_t>::type load(const acc_t* p) {
+  return *reinterpret_cast<const typename VecOf<acc_t>::type*>(p);
+}
+template <typename acc_t>
+inline __attribute__((always_inline)) void store(acc_t* p, typename VecOf<acc_t>::type v) {
+  *reinterpret_cast<typename VecOf<acc_t>::type*>(p) = v;
+}
+
+// The kernel taps are processed NT at a time (NT <= kMaxTapBlock), so that their accumulators (or
+// the grad_output vector they share) stay in registers.
+constexpr int64_t kMaxTapBlock = 8;
+
+// plane[j] += sum over NT taps of weight[tap] * spread[j - tap], every j of the plane. `spread` is
+// grad_output laid out like the plane (row (t, h) at (t * stride_t * rows_h + h * stride_h) * row_size,
+// zeros elsewhere), so this is exactly the scatter plane[base + tap + w] += weight[tap] *
+// grad_output[w], computed as a gather: no store is reloaded at an overlapping offset.
+template <int NT, typename acc_t>
+inline __attribute__((always_inline)) void gather_taps(
+    const Geometry& g, acc_t* plane, const acc_t* spread, const acc_t* weight, const int64_t* taps) {
+  using V = typename VecOf<acc_t>::type;
+  constexpr int64_t L = sizeof(V) / sizeof(acc_t);
+  acc_t wk[NT];
+  const acc_t* src[NT];
+  for (int k = 0; k < NT; ++k) {
+    wk[k] = weight[k];
+    src[k] = spread - taps[k];
+  }
+  int64_t j = 0;
+  for (; j + L <= g.plane_size; j += L) {
+    V sum = load(plane + j);
+    for (int k = 0; k < NT; ++k) {
+      sum += wk[k] * load(src[k] + j);
+    }
+    store(plane + j, sum);
+  }
+  for (; j < g.plane_size; ++j) {
+    for (int k = 0; k < NT; ++k) {
+      plane[j] += wk[k] * src[k][j];
+    }
   }
 }
 
-template <typename acc_t>
-inline __attribute__((always_inline)) acc_t dot(const acc_t* __restrict x, const acc_t* __restrict y, int64_t n) {
-  acc_t s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) {
-    s += x[i] * y[i];
-  }
-  return s;
-}
-
-// plane += weight (*) grad_output plane, for one (input channel, output channel) pair.
-template <typename acc_t>
-inline __attribute__((always_inline)) void scatter_plane(
-    const Geometry& g, acc_t* plane, const acc_t* grad_output, const acc_t* weight) {
+// acc[tap] += sum over every grad_output row of grad_output_row[w] * plane[tap + w], for NT taps.
+template <int NT, typename acc_t>
+inline __attribute__((always_inline)) void correlate_taps(
+    const Geometry& g, acc_t* acc, const acc_t* plane, const acc_t* grad_output, const int64_t* taps) {
+  using V = typename VecOf<acc_t>::type;
+  constexpr int64_t L = sizeof(V) / sizeof(acc_t);
+  V sums[NT] = {};
+  acc_t tail[NT] = {};
   for (int64_t t = 0; t < g.out_t; ++t) {
     for (int64_t h = 0; h < g.out_h; ++h) {
       const acc_t* go_row = grad_output + (t * g.out_h + h) * g.out_w;
-      acc_t* base = plane + (t * g.stride_t * g.rows_h + h * g.stride_h) * g.row_size;
-      for (int64_t k = 0; k < g.taps; ++k) {
-        axpy(base + g.tap_offset[k], weight[k], go_row, g.out_w);
+      const acc_t* base = plane + (t * g.stride_t * g.rows_h + h * g.stride_h) * g.row_size;
+      int64_t w = 0;
+      for (; w + L <= g.out_w; w += L) {
+        const V go = load(go_row + w);
+        for (int k = 0; k < NT; ++k) {
+          sums[k] += go * load(base + taps[k] + w);
+        }
+      }
+      for (; w < g.out_w; ++w) {
+        for (int k = 0; k < NT; ++k) {
+          tail[k] += go_row[w] * base[taps[k] + w];
+        }
       }
     }
   }
+  for (int k = 0; k < NT; ++k) {
+    acc_t total = tail[k];
+    for (int64_t i = 0; i < L; ++i) total += sums[k][i];
+    acc[k] += total;
+  }
+}
+
+// Splits the taps into near-equal blocks of at most kMaxTapBlock and calls op.template run<NT>(first, NT).
+template <typename Op>
+inline __attribute__((always_inline)) void for_tap_blocks(int64_t taps, Op&& op) {
+  const int64_t blocks = (taps + kMaxTapBlock - 1) / kMaxTapBlock;
+  const int64_t per_block = (taps + blocks - 1) / blocks;
+  for (int64_t first = 0; first < taps; first += per_block) {
+    switch (std::min(per_block, taps - first)) {
+      case 1: op.template run<1>(first); break;
+      case 2: op.template run<2>(first); break;
+      case 3: op.template run<3>(first); break;
+      case 4: op.template run<4>(first); break;
+      case 5: op.template run<5>(first); break;
+      case 6: op.template run<6>(first); break;
+      case 7: op.template run<7>(first); break;
+      default: op.template run<8>(first); break;
+    }
+  }
+}
+
+template <typename acc_t>
+struct GatherOp {
+  const Geometry& g;
+  acc_t* plane;
+  const acc_t* spread;
+  const acc_t* weight;
+  template <int NT>
+  inline __attribute__((always_inline)) void run(int64_t first) const {
+    gather_taps<NT>(g, plane, spread, weight + first, g.tap_offset + first);
+  }
+};
+
+template <typename acc_t>
+struct CorrelateOp {
+  const Geometry& g;
+  acc_t* acc;
+  const acc_t* plane;
+  const acc_t* grad_output;
+  template <int NT>
+  inline __attribute__((always_inline)) void run(int64_t first) const {
+    correlate_taps<NT>(g, acc + first, plane, grad_output, g.tap_offset + first);
+  }
+};
+
+// plane += weight (*) grad_output, for one (input channel, output channel) pair; `spread` as in gather_taps.
+template <typename acc_t>
+inline __attribute__((always_inline)) void scatter_plane(
+    const Geometry& g, acc_t* plane, const acc_t* spread, const acc_t* weight) {
+  for_tap_blocks(g.taps, GatherOp<acc_t>{g, plane, spread, weight});
 }
 
 // acc[ci][tap] += sum over grad_output of grad_output * input, for one output channel.
 template <typename acc_t>
 inline __attribute__((always_inline)) void correlate_plane(
     const Geometry& g, acc_t* acc, const acc_t* planes, const acc_t* grad_output) {
-  for (int64_t t = 0; t < g.out_t; ++t) {
-    for (int64_t h = 0; h < g.out_h; ++h) {
-      const acc_t* go_row = grad_output + (t * g.out_h + h) * g.out_w;
-      const int64_t base = (t * g.stride_t * g.rows_h + h * g.stride_h) * g.row_size;
-      for (int64_t ci = 0; ci < g.in_per_group; ++ci) {
-        const acc_t* plane = planes + ci * g.plane_size + base;
-        acc_t* a = acc + ci * g.taps;
-        for (int64_t k = 0; k < g.taps; ++k) {
-          a[k] += dot(go_row, plane + g.tap_offset[k], g.out_w);
-        }
-      }
-    }
+  for (int64_t ci = 0; ci < g.in_per_group; ++ci) {
+    for_tap_blocks(g.taps, CorrelateOp<acc_t>{g, acc + ci * g.taps, planes + ci * g.plane_size, grad_output});
   }
 }
 
@@ -206,6 +306,17 @@ const acc_t* as_acc(const scalar_t* src, int64_t n, std::vector<acc_t>& buffer) 
   }
 }
 
+// Writes grad_output's rows at their plane positions (see gather_taps); the rest of `spread` stays zero.
+template <typename scalar_t, typename acc_t>
+void spread_plane(const Geometry& g, const scalar_t* grad_output, acc_t* spread) {
+  for (int64_t t = 0; t < g.out_t; ++t) {
+    for (int64_t h = 0; h < g.out_h; ++h) {
+      const scalar_t* row = grad_output + (t * g.out_h + h) * g.out_w;
+      std::copy(row, row + g.out_w, spread + (t * g.stride_t * g.rows_h + h * g.stride_h) * g.row_size);
+    }
+  }
+}
+
 template <typename scalar_t>
 using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
@@ -215,17 +326,19 @@ void grad_input_impl(const DirectProblem& p, const scalar_t* go, const scalar_t*
   const Layout l = make_layout(p);
   const Geometry& g = l.geometry;
   const int64_t c_in = p.groups * p.in_per_group, c_out = p.groups * p.out_per_group;
+  const int64_t margin = *std::max_element(l.tap_offset.begin(), l.tap_offset.end());
   at::parallel_for(0, p.batch * c_in, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> plane(g.plane_size), go_buffer, w_buffer(g.taps);
+    // spread: margin zeros, then grad_output rows at their plane positions (zeros between them).
+    std::vector<acc_t> plane(g.plane_size), spread(margin + g.plane_size, acc_t(0)), w_buffer(g.taps);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / c_in, c = task % c_in;
       const int64_t group = c / p.in_per_group, ci = c % p.in_per_group;
       std::fill(plane.begin(), plane.end(), acc_t(0));
       for (int64_t co = group * p.out_per_group; co < (group + 1) * p.out_per_group; ++co) {
-        const acc_t* go_plane = as_acc<scalar_t, acc_t>(go + (n * c_out + co) * l.out_plane, l.out_plane, go_buffer);
+        spread_plane(g, go + (n * c_out + co) * l.out_plane, spread.data() + margin);
         const scalar_t* wk = w + (co * p.in_per_group + ci) * g.taps;
         std::copy(wk, wk + g.taps, w_buffer.begin());
-        scatter(g, plane.data(), go_plane, w_buffer.data());
+        scatter(g, plane.data(), spread.data() + margin, w_buffer.data());
       }
       unpack_plane(p, g, plane.data(), gi + task * l.in_plane);
     }
