@@ -2,8 +2,8 @@
 
 Every test that runs the backend proves it ran: ``aten_override.stats()`` counts the calls the C++
 kernel served and the layer class that computed them (``compiled_layer_classes``). Values are
-compared with the original kernel (float32/float64) or with a float64 reference, within twice the
-original kernel's own error (bfloat16/float16); dtypes, shapes and strides must be identical.
+compared with the original kernel (float64) or with a float64 reference, within twice the original
+kernel's own error (float32/bfloat16/float16); dtypes, shapes and strides must be identical.
 """
 
 from __future__ import annotations
@@ -172,13 +172,15 @@ def to_float64(args: ConvolutionBackwardArgs) -> ConvolutionBackwardArgs:
 
 def assert_matches_original(args: ConvolutionBackwardArgs, ours) -> None:
     """``ours`` has the original kernel's None pattern, shapes, dtypes and strides, and its values
-    (float32/float64: close to the original's; reduced precision: as close to a float64 reference as
-    twice the original kernel's own error)."""
+    (float64: close to the original's; float32/bfloat16/float16: as close to a float64 reference as
+    twice the original kernel's own error, plus 8 eps of the largest magnitude)."""
     device = args.grad_output.device.type
     original = aten_override.original_kernel(device)
     ref = original(*args.as_aten_args())
-    reduced = args.grad_output.dtype in (torch.bfloat16, torch.float16)
+    dtype = args.grad_output.dtype
+    reduced = dtype != torch.float64
     ref64 = original(*to_float64(args).as_aten_args()) if reduced else None
+    eps = torch.finfo(dtype).eps
     for i, name in enumerate(("grad_input", "grad_weight", "grad_bias")):
         if not args.output_mask[i]:
             assert ours[i] is None, f"{name} must be None when output_mask[{i}] is False"
@@ -194,7 +196,7 @@ def assert_matches_original(args: ConvolutionBackwardArgs, ours) -> None:
             ours_err = (a.double() - exact).abs().max().item()
             native_err = (b.double() - exact).abs().max().item()
             scale = exact.abs().max().item()
-            assert ours_err <= 2 * native_err + 1e-3 * scale, (
+            assert ours_err <= 2 * native_err + 8 * eps * scale, (
                 f"{name}: error {ours_err:.3g} vs the original kernel's {native_err:.3g} (scale {scale:.3g})"
             )
 
