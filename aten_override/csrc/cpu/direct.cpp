@@ -38,13 +38,18 @@ namespace {
 // Layout of one zero-padded, phase-split input plane and of the walk over grad_output rows.
 struct Geometry {
   int64_t out_t, out_h, out_w;  // grad_output spatial size
-  int64_t stride_t, stride_h;
+  int64_t stride_t, stride_h, stride_w;
   int64_t rows_h;     // padded H
   int64_t width;      // columns per W phase
   int64_t row_size;   // phases * width
   int64_t plane_size; // padded T * padded H * row_size
   int64_t taps;       // kernel elements
   const int64_t* tap_offset;  // offset of each kernel tap from a grad_output row's base
+  // Taps by stride class ((kt*dt) % stride_t, (kh*dh) % stride_h, (kw*dw) % stride_w): class c's
+  // taps are class_taps[class_begin[c] .. class_begin[c + 1]). A padded input row (rt, rh) and W
+  // phase r only receive gradient from the taps of class (rt % stride_t, rh % stride_h, r).
+  const int64_t* class_taps;
+  const int64_t* class_begin;
   int64_t in_per_group;
 };
 
@@ -82,27 +87,58 @@ constexpr int64_t kMaxTapBlock = 8;
 // grad_output[w], computed as a gather: no store is reloaded at an overlapping offset.
 template <int NT, typename acc_t>
 inline __attribute__((always_inline)) void gather_taps(
-    const Geometry& g, acc_t* plane, const acc_t* spread, const acc_t* weight, const int64_t* taps) {
+    acc_t* plane, const acc_t* spread, const acc_t* weight, const int64_t* tap_offset, const int64_t* taps,
+    int64_t j0, int64_t j1) {
   using V = typename VecOf<acc_t>::type;
   constexpr int64_t L = sizeof(V) / sizeof(acc_t);
   acc_t wk[NT];
   const acc_t* src[NT];
   for (int k = 0; k < NT; ++k) {
-    wk[k] = weight[k];
-    src[k] = spread - taps[k];
+    wk[k] = weight[taps[k]];
+    src[k] = spread - tap_offset[taps[k]];
   }
-  int64_t j = 0;
-  for (; j + L <= g.plane_size; j += L) {
+  int64_t j = j0;
+  for (; j + L <= j1; j += L) {
     V sum = load(plane + j);
     for (int k = 0; k < NT; ++k) {
       sum += wk[k] * load(src[k] + j);
     }
     store(plane + j, sum);
   }
-  for (; j < g.plane_size; ++j) {
+  for (; j < j1; ++j) {
     for (int k = 0; k < NT; ++k) {
       plane[j] += wk[k] * src[k][j];
     }
+  }
+}
+
+// acc[tap] += sum_j spread[j] * plane[j + tap] for NT taps, j over the plane: grad_weight when every
+// stride is 1 (spread then has grad_output at the positions of the plane it multiplies, zeros
+// elsewhere), one long vectorized pass however short the rows are.
+template <int NT, typename acc_t>
+inline __attribute__((always_inline)) void correlate_flat_taps(
+    const Geometry& g, acc_t* acc, const acc_t* plane, const acc_t* spread, const int64_t* taps) {
+  using V = typename VecOf<acc_t>::type;
+  constexpr int64_t L = sizeof(V) / sizeof(acc_t);
+  const int64_t span = ((g.out_t - 1) * g.rows_h + g.out_h - 1) * g.row_size + g.out_w;
+  V sums[NT] = {};
+  acc_t tail[NT] = {};
+  int64_t j = 0;
+  for (; j + L <= span; j += L) {
+    const V go = load(spread + j);
+    for (int k = 0; k < NT; ++k) {
+      sums[k] += go * load(plane + taps[k] + j);
+    }
+  }
+  for (; j < span; ++j) {
+    for (int k = 0; k < NT; ++k) {
+      tail[k] += spread[j] * plane[taps[k] + j];
+    }
+  }
+  for (int k = 0; k < NT; ++k) {
+    acc_t total = tail[k];
+    for (int64_t i = 0; i < L; ++i) total += sums[k][i];
+    acc[k] += total;
   }
 }
 
@@ -142,6 +178,7 @@ inline __attribute__((always_inline)) void correlate_taps(
 // Splits the taps into near-equal blocks of at most kMaxTapBlock and calls op.template run<NT>(first, NT).
 template <typename Op>
 inline __attribute__((always_inline)) void for_tap_blocks(int64_t taps, Op&& op) {
+  if (taps == 0) return;
   const int64_t blocks = (taps + kMaxTapBlock - 1) / kMaxTapBlock;
   const int64_t per_block = (taps + blocks - 1) / blocks;
   for (int64_t first = 0; first < taps; first += per_block) {
@@ -164,9 +201,23 @@ struct GatherOp {
   acc_t* plane;
   const acc_t* spread;
   const acc_t* weight;
+  const int64_t* taps;
+  int64_t j0, j1;
   template <int NT>
   inline __attribute__((always_inline)) void run(int64_t first) const {
-    gather_taps<NT>(g, plane, spread, weight + first, g.tap_offset + first);
+    gather_taps<NT>(plane, spread, weight, g.tap_offset, taps + first, j0, j1);
+  }
+};
+
+template <typename acc_t>
+struct CorrelateFlatOp {
+  const Geometry& g;
+  acc_t* acc;
+  const acc_t* plane;
+  const acc_t* spread;
+  template <int NT>
+  inline __attribute__((always_inline)) void run(int64_t first) const {
+    correlate_flat_taps<NT>(g, acc + first, plane, spread, g.tap_offset + first);
   }
 };
 
@@ -186,15 +237,37 @@ struct CorrelateOp {
 template <typename acc_t>
 inline __attribute__((always_inline)) void scatter_plane(
     const Geometry& g, acc_t* plane, const acc_t* spread, const acc_t* weight) {
-  for_tap_blocks(g.taps, GatherOp<acc_t>{g, plane, spread, weight});
+  const int64_t classes = g.stride_t * g.stride_h * g.stride_w;
+  if (classes == 1) {
+    for_tap_blocks(g.taps, GatherOp<acc_t>{g, plane, spread, weight, g.class_taps, 0, g.plane_size});
+    return;
+  }
+  // Strided: each padded row and W phase gathers only from the taps that can reach it.
+  const int64_t rows = g.plane_size / g.row_size;
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t rt = row / g.rows_h, rh = row % g.rows_h;
+    for (int64_t r = 0; r < g.stride_w; ++r) {
+      const int64_t cls = ((rt % g.stride_t) * g.stride_h + rh % g.stride_h) * g.stride_w + r;
+      const int64_t j0 = row * g.row_size + r * g.width;
+      for_tap_blocks(
+          g.class_begin[cls + 1] - g.class_begin[cls],
+          GatherOp<acc_t>{g, plane, spread, weight, g.class_taps + g.class_begin[cls], j0, j0 + g.width});
+    }
+  }
 }
 
 // acc[ci][tap] += sum over grad_output of grad_output * input, for one output channel.
+// With every stride 1, `grad_output` is the spread plane (see gather_taps) instead.
 template <typename acc_t>
 inline __attribute__((always_inline)) void correlate_plane(
     const Geometry& g, acc_t* acc, const acc_t* planes, const acc_t* grad_output) {
+  const bool flat = g.stride_t * g.stride_h * g.stride_w == 1;
   for (int64_t ci = 0; ci < g.in_per_group; ++ci) {
-    for_tap_blocks(g.taps, CorrelateOp<acc_t>{g, acc + ci * g.taps, planes + ci * g.plane_size, grad_output});
+    if (flat) {
+      for_tap_blocks(g.taps, CorrelateFlatOp<acc_t>{g, acc + ci * g.taps, planes + ci * g.plane_size, grad_output});
+    } else {
+      for_tap_blocks(g.taps, CorrelateOp<acc_t>{g, acc + ci * g.taps, planes + ci * g.plane_size, grad_output});
+    }
   }
 }
 
@@ -217,7 +290,7 @@ inline void correlate(const Geometry& g, double* a, const double* p, const doubl
 
 struct Layout {
   Geometry geometry;
-  std::vector<int64_t> tap_offset;
+  std::vector<int64_t> tap_offset, class_taps, class_begin;
   int64_t in_plane, out_plane;
 };
 
@@ -235,6 +308,7 @@ Layout make_layout(const DirectProblem& p) {
   g.out_w = p.out[2];
   g.stride_t = p.stride[0];
   g.stride_h = p.stride[1];
+  g.stride_w = p.stride[2];
   g.taps = p.kernel[0] * p.kernel[1] * p.kernel[2];
   g.in_per_group = p.in_per_group;
   for (int64_t kt = 0; kt < p.kernel[0]; ++kt) {
@@ -248,6 +322,25 @@ Layout make_layout(const DirectProblem& p) {
     }
   }
   g.tap_offset = l.tap_offset.data();
+  const int64_t classes = p.stride[0] * p.stride[1] * p.stride[2];
+  std::vector<std::vector<int64_t>> by_class(classes);
+  int64_t tap = 0;
+  for (int64_t kt = 0; kt < p.kernel[0]; ++kt) {
+    for (int64_t kh = 0; kh < p.kernel[1]; ++kh) {
+      for (int64_t kw = 0; kw < p.kernel[2]; ++kw, ++tap) {
+        const int64_t cls = ((kt * p.dilation[0] % p.stride[0]) * p.stride[1] + kh * p.dilation[1] % p.stride[1]) *
+                p.stride[2] + kw * p.dilation[2] % p.stride[2];
+        by_class[cls].push_back(tap);
+      }
+    }
+  }
+  l.class_begin.push_back(0);
+  for (const auto& taps : by_class) {
+    l.class_taps.insert(l.class_taps.end(), taps.begin(), taps.end());
+    l.class_begin.push_back(static_cast<int64_t>(l.class_taps.size()));
+  }
+  g.class_taps = l.class_taps.data();
+  g.class_begin = l.class_begin.data();
   l.in_plane = p.in[0] * p.in[1] * p.in[2];
   l.out_plane = p.out[0] * p.out[1] * p.out[2];
   return l;
@@ -353,7 +446,9 @@ void grad_weight_impl(const DirectProblem& p, const scalar_t* go, const scalar_t
   const int64_t c_in = p.groups * p.in_per_group, c_out = p.groups * p.out_per_group;
   const int64_t per_channel = p.in_per_group * g.taps;
   at::parallel_for(0, c_out, 1, [&](int64_t begin, int64_t end) {
+    const bool flat = g.stride_t * g.stride_h * g.stride_w == 1;
     std::vector<acc_t> planes(p.in_per_group * g.plane_size), go_buffer, acc((end - begin) * per_channel, acc_t(0));
+    std::vector<acc_t> spread(flat ? g.plane_size : 0, acc_t(0));
     const int64_t first_group = begin / p.out_per_group, last_group = (end - 1) / p.out_per_group;
     for (int64_t n = 0; n < p.batch; ++n) {
       for (int64_t group = first_group; group <= last_group; ++group) {
@@ -363,7 +458,13 @@ void grad_weight_impl(const DirectProblem& p, const scalar_t* go, const scalar_t
         }
         const int64_t co_end = std::min(end, (group + 1) * p.out_per_group);
         for (int64_t co = std::max(begin, group * p.out_per_group); co < co_end; ++co) {
-          const acc_t* go_plane = as_acc<scalar_t, acc_t>(go + (n * c_out + co) * l.out_plane, l.out_plane, go_buffer);
+          const acc_t* go_plane;
+          if (flat) {
+            spread_plane(g, go + (n * c_out + co) * l.out_plane, spread.data());
+            go_plane = spread.data();
+          } else {
+            go_plane = as_acc<scalar_t, acc_t>(go + (n * c_out + co) * l.out_plane, l.out_plane, go_buffer);
+          }
           correlate(g, acc.data() + (co - begin) * per_channel, planes.data(), go_plane);
         }
       }

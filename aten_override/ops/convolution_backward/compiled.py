@@ -17,7 +17,7 @@ empty                zeros    zero batch / zero input channels (upstream's Empty
                               with ``bias_sizes=None``
 depthwise            direct   ``groups == C_in`` (any channel multiplier): native reaches 1-6% of
                               FLOP peak; fused direct kernel (``csrc/cpu/direct.cpp``)
-grouped              direct   ``1 < groups < C_in``, ``(C_in/groups)*(C_out/groups) <= 256``
+grouped              direct   ``1 < groups < C_in``, ``(C_in/groups)*(C_out/groups) <= 64``; larger groups: dense
 one-channel          direct   ``groups == 1, C_in == 1`` (wav2vec2's first layer)
 dense                native   native's oneDNN / GEMM paths are near the hardware limit
 transposed           native   no compiled kernel yet
