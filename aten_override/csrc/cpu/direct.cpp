@@ -346,11 +346,21 @@ Layout make_layout(const DirectProblem& p) {
   return l;
 }
 
-// Padded column j of an input row lives at phase j % stride, position j / stride.
-inline int64_t packed_column(const DirectProblem& p, const Geometry& g, int64_t w) {
-  const int64_t j = w + p.padding[2];
-  return (j % p.stride[2]) * g.width + j / p.stride[2];
-}
+// Walks the input columns w = 0, 1, ...: padded column j = w + padding lives at phase j % stride,
+// position j / stride (without a division per element).
+struct PackedColumn {
+  const Geometry& g;
+  int64_t phase, position;
+  PackedColumn(const DirectProblem& p, const Geometry& geometry)
+      : g(geometry), phase(p.padding[2] % p.stride[2]), position(p.padding[2] / p.stride[2]) {}
+  int64_t index() const { return phase * g.width + position; }
+  void next() {
+    if (++phase == g.stride_w) {
+      phase = 0;
+      ++position;
+    }
+  }
+};
 
 template <typename scalar_t, typename acc_t>
 void pack_plane(const DirectProblem& p, const Geometry& g, const scalar_t* src, acc_t* dst) {
@@ -362,8 +372,9 @@ void pack_plane(const DirectProblem& p, const Geometry& g, const scalar_t* src, 
       if (p.stride[2] == 1) {
         std::copy(row, row + p.in[2], out + p.padding[2]);  // converts scalar_t -> acc_t
       } else {
-        for (int64_t w = 0; w < p.in[2]; ++w) {
-          out[packed_column(p, g, w)] = static_cast<acc_t>(row[w]);
+        PackedColumn column(p, g);
+        for (int64_t w = 0; w < p.in[2]; ++w, column.next()) {
+          out[column.index()] = static_cast<acc_t>(row[w]);
         }
       }
     }
@@ -379,8 +390,9 @@ void unpack_plane(const DirectProblem& p, const Geometry& g, const acc_t* src, s
       if (p.stride[2] == 1) {
         std::copy(row + p.padding[2], row + p.padding[2] + p.in[2], out);
       } else {
-        for (int64_t w = 0; w < p.in[2]; ++w) {
-          out[w] = static_cast<scalar_t>(row[packed_column(p, g, w)]);
+        PackedColumn column(p, g);
+        for (int64_t w = 0; w < p.in[2]; ++w, column.next()) {
+          out[w] = static_cast<scalar_t>(row[column.index()]);
         }
       }
     }
