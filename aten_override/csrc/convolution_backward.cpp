@@ -430,23 +430,20 @@ bool kernels_registered() {
 
 using IntList = std::vector<int64_t>;
 
-Result py_convolution_backward(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
-    std::optional<IntList> bias_sizes, IntList stride, IntList padding, IntList dilation, bool transposed,
-    IntList output_padding, int64_t groups, Mask output_mask) {
-  const Args a{grad_output, input, weight,
-               bias_sizes.has_value() ? at::OptionalIntArrayRef(*bias_sizes) : std::nullopt,
-               stride, padding, dilation, transposed, output_padding, groups, output_mask};
-  return compiled_backward(a);
+// A Python-callable taking the aten arguments (lists as Python lists) and calling f(Args).
+template <typename F>
+auto with_aten_args(F f) {
+  return [f](const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+             std::optional<IntList> bias_sizes, IntList stride, IntList padding, IntList dilation, bool transposed,
+             IntList output_padding, int64_t groups, Mask output_mask) {
+    const Args a{grad_output, input, weight,
+                 bias_sizes.has_value() ? at::OptionalIntArrayRef(*bias_sizes) : std::nullopt,
+                 stride, padding, dilation, transposed, output_padding, groups, output_mask};
+    return f(a);
+  };
 }
 
-std::string py_layer_class(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
-    std::optional<IntList> bias_sizes, IntList stride, IntList padding, IntList dilation, bool transposed,
-    IntList output_padding, int64_t groups, Mask output_mask) {
-  const Args a{grad_output, input, weight,
-               bias_sizes.has_value() ? at::OptionalIntArrayRef(*bias_sizes) : std::nullopt,
-               stride, padding, dilation, transposed, output_padding, groups, output_mask};
+std::string layer_class_name(const Args& a) {
   return kLayerClasses[static_cast<int>(classify(a, check_args(a)))].name;
 }
 
@@ -494,11 +491,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const char* args_doc =
       "(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, "
       "output_mask)";
-  m.def("convolution_backward", &py_convolution_backward,
+  m.def("convolution_backward", with_aten_args(compiled_backward),
         (std::string("The compiled backend's (grad_input, grad_weight, grad_bias) for the aten arguments ") + args_doc +
          "; None where output_mask is False. Raises RuntimeError 'convolution_backward[compiled]: ...'.").c_str(),
         py::call_guard<py::gil_scoped_release>());
-  m.def("layer_class", &py_layer_class, "The layer class (see layer_classes()) of a call, after checking its arguments.");
+  m.def("layer_class", with_aten_args(layer_class_name), "The layer class (see layer_classes()) of a call, after checking its arguments.");
   m.def("unsupported_reason", &unsupported_reason,
         "unsupported_reason(grad_output, input, weight) -> why the call goes to the original kernel, or None.");
   m.def("layer_classes", &py_layer_classes, "[(class, kernel, why)]: which kernel serves each layer class.");

@@ -209,19 +209,8 @@ struct GatherOp {
   }
 };
 
-template <typename acc_t>
-struct CorrelateFlatOp {
-  const Geometry& g;
-  acc_t* acc;
-  const acc_t* plane;
-  const acc_t* spread;
-  template <int NT>
-  inline __attribute__((always_inline)) void run(int64_t first) const {
-    correlate_flat_taps<NT>(g, acc + first, plane, spread, g.tap_offset + first);
-  }
-};
-
-template <typename acc_t>
+// Flat: `grad_output` is the spread plane and every stride is 1 (correlate_flat_taps).
+template <typename acc_t, bool Flat>
 struct CorrelateOp {
   const Geometry& g;
   acc_t* acc;
@@ -229,7 +218,11 @@ struct CorrelateOp {
   const acc_t* grad_output;
   template <int NT>
   inline __attribute__((always_inline)) void run(int64_t first) const {
-    correlate_taps<NT>(g, acc + first, plane, grad_output, g.tap_offset + first);
+    if constexpr (Flat) {
+      correlate_flat_taps<NT>(g, acc + first, plane, grad_output, g.tap_offset + first);
+    } else {
+      correlate_taps<NT>(g, acc + first, plane, grad_output, g.tap_offset + first);
+    }
   }
 };
 
@@ -264,9 +257,9 @@ inline __attribute__((always_inline)) void correlate_plane(
   const bool flat = g.stride_t * g.stride_h * g.stride_w == 1;
   for (int64_t ci = 0; ci < g.in_per_group; ++ci) {
     if (flat) {
-      for_tap_blocks(g.taps, CorrelateFlatOp<acc_t>{g, acc + ci * g.taps, planes + ci * g.plane_size, grad_output});
+      for_tap_blocks(g.taps, CorrelateOp<acc_t, true>{g, acc + ci * g.taps, planes + ci * g.plane_size, grad_output});
     } else {
-      for_tap_blocks(g.taps, CorrelateOp<acc_t>{g, acc + ci * g.taps, planes + ci * g.plane_size, grad_output});
+      for_tap_blocks(g.taps, CorrelateOp<acc_t, false>{g, acc + ci * g.taps, planes + ci * g.plane_size, grad_output});
     }
   }
 }
