@@ -33,7 +33,17 @@ using Mask = std::array<bool, 3>;
 
 // --- layer classes: which kernel serves what, and why (mirrored in compiled.py's docs) ---------
 
-enum class LayerClass : int { Empty = 0, Depthwise, Grouped, OneChannel, Dense, Transposed, NoOutputChannels, Count };
+enum class LayerClass : int {
+  Empty = 0,
+  Depthwise,
+  Grouped,
+  OneChannel,
+  SmallPlanes,
+  Dense,
+  Transposed,
+  NoOutputChannels,
+  Count
+};
 
 struct LayerClassInfo {
   const char* name;
@@ -53,6 +63,9 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "direct kernel per group"},
     {"one-channel", "direct",
      "groups == 1 and C_in == 1 (wav2vec2's first layer): native reaches 3% of peak; direct kernel"},
+    {"small-planes", "native",
+     "depthwise / grouped / one-channel with under 64 output elements per channel (MobileNetV2's 7x7 stages): the "
+     "direct kernel's per-plane overhead loses to native there (use native)"},
     {"dense", "native",
      "dense and large-group layers: native's oneDNN / GEMM paths are near the hardware limit (use native)"},
     {"transposed", "native", "transposed layers: no compiled kernel yet; native's oneDNN paths serve them (use native)"},
@@ -64,6 +77,11 @@ static_assert(sizeof(kLayerClasses) / sizeof(kLayerClasses[0]) == static_cast<si
 // register blocking over channels, so its cost grows with the channel pairs while native's GEMM paths
 // get better: measured on ResNeXt-50, 4x4 pairs run at 0.27x native's time, 16x16 at 4.7x.
 constexpr int64_t kDirectMaxChannelPairs = 64;
+
+// Fewest grad_output elements per channel the direct kernel takes: below, its fixed cost per plane
+// (packing, zeroing, tap blocks) dominates; measured on MobileNetV2's 7x7 depthwise stage at ~2x
+// native's time.
+constexpr int64_t kDirectMinPlane = 64;
 
 // --- counters (merged into aten_override.stats()) ----------------------------------------------
 
@@ -236,10 +254,16 @@ LayerClass classify(const Args& a, const Expanded& e) {
   if (a.transposed) return LayerClass::Transposed;
   if (e.c_out == 0) return LayerClass::NoOutputChannels;
   const int64_t in_per_group = e.c_in / a.groups, out_per_group = e.c_out / a.groups;
-  if (a.groups == 1 && e.c_in == 1) return LayerClass::OneChannel;
-  if (in_per_group == 1 && a.groups > 1) return LayerClass::Depthwise;
-  if (a.groups > 1 && in_per_group * out_per_group <= kDirectMaxChannelPairs) return LayerClass::Grouped;
-  return LayerClass::Dense;
+  LayerClass direct = LayerClass::Dense;
+  if (a.groups == 1 && e.c_in == 1) {
+    direct = LayerClass::OneChannel;
+  } else if (in_per_group == 1 && a.groups > 1) {
+    direct = LayerClass::Depthwise;
+  } else if (a.groups > 1 && in_per_group * out_per_group <= kDirectMaxChannelPairs) {
+    direct = LayerClass::Grouped;
+  }
+  if (direct != LayerClass::Dense && a.grad_output[0][0].numel() < kDirectMinPlane) return LayerClass::SmallPlanes;
+  return direct;
 }
 
 // --- kernels ------------------------------------------------------------------------------------
@@ -363,6 +387,7 @@ Result compiled_backward(const Args& a) {
     case LayerClass::Grouped:
     case LayerClass::OneChannel:
       return direct_backward(a, e);
+    case LayerClass::SmallPlanes:
     case LayerClass::Dense:
     case LayerClass::Transposed:
     case LayerClass::NoOutputChannels: {

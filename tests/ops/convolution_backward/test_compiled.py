@@ -69,7 +69,8 @@ TRANSPOSED_GEOMETRIES = [
     Geometry("k3,s2,p1,op1", 3, stride=2, padding=1, output_padding=1),
     Geometry("k2,s3,p2,d2,op2", 2, stride=3, padding=2, dilation=2, output_padding=2),
 ]
-SPATIAL = {1: [11], 2: [9, 8], 3: [6, 5, 7]}
+# Large enough for 64 output elements per channel in every geometry (fewer: class "small-planes").
+SPATIAL = {1: [200], 2: [22, 21], 3: [9, 10, 12]}
 
 
 def make_args(
@@ -336,7 +337,7 @@ def test_vmap_per_sample_grads():
     """vmap over a batch of B samples calls convolution_backward with groups=groups*B."""
     conv = torch.nn.Conv2d(4, 8, 3, padding=1, groups=2)
     params = {k: v.detach() for k, v in conv.named_parameters()}
-    x = torch.randn(5, 4, 7, 7)
+    x = torch.randn(5, 4, 10, 10)
 
     def loss(p, sample):
         return torch.func.functional_call(conv, p, (sample.unsqueeze(0),)).square().sum()
@@ -389,9 +390,24 @@ def test_unsupported_dtype_falls_back_with_reason():
     assert stats["fallback_reasons"] == {"compiled: " + compiled.unsupported_reason(args): 1}
 
 
+def test_small_planes_go_to_native():
+    layer = LAYERS["depthwise"]
+    args = make_args(layer, GEOMETRIES[0], 2)
+    small = dataclasses.replace(
+        args, input=args.input[:, :, :7, :7].contiguous(), grad_output=args.grad_output[:, :, :7, :7].contiguous()
+    )
+    assert compiled.layer_class(small) == "small-planes"
+    aten_override.reset_stats()
+    ours = run_compiled(small)
+    assert_compiled_served("small-planes")
+    assert_matches_original(small, ours)
+
+
 def test_layer_class_table_matches_docs():
     names = [row[0] for row in compiled.LAYER_CLASSES]
-    assert names == ["empty", "depthwise", "grouped", "one-channel", "dense", "transposed", "no-output-channels"]
+    assert names == [
+        "empty", "depthwise", "grouped", "one-channel", "small-planes", "dense", "transposed", "no-output-channels"
+    ]
     for name, kernel, _ in compiled.LAYER_CLASSES:
         assert f"{name} " in compiled.__doc__ and kernel in ("direct", "zeros", "native")
     args = make_args(LAYERS["grouped"], GEOMETRIES[0], 2)
