@@ -100,6 +100,38 @@ Counters& counters() {
 
 // --- arguments ----------------------------------------------------------------------------------
 
+// Python's names (torch.float64), as the python backend's messages print them.
+std::string py_name(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return "torch.float64";
+    case at::kFloat: return "torch.float32";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: return c10::str("torch.", t);
+  }
+}
+
+std::string py_name(at::Layout l) {
+  switch (l) {
+    case at::kStrided: return "torch.strided";
+    case at::kSparse: return "torch.sparse_coo";
+    case at::kSparseCsr: return "torch.sparse_csr";
+    case at::kSparseCsc: return "torch.sparse_csc";
+    case at::kSparseBsr: return "torch.sparse_bsr";
+    case at::kSparseBsc: return "torch.sparse_bsc";
+    case at::kMkldnn: return "torch._mkldnn";
+    default: return c10::str("torch.", l);
+  }
+}
+
 struct Args {
   const at::Tensor& grad_output;
   const at::Tensor& input;
@@ -133,8 +165,8 @@ Expanded check_args(const Args& a) {
       w.sizes(), ", got input of size ", x.sizes(), " and grad_output of size ", go.sizes());
   CHECK_ARG(
       go.scalar_type() == x.scalar_type() && x.scalar_type() == w.scalar_type(),
-      "grad_output, input and weight must have the same dtype, got ", go.scalar_type(), ", ", x.scalar_type(),
-      " and ", w.scalar_type());
+      "grad_output, input and weight must have the same dtype, got ", py_name(go.scalar_type()), ", ",
+      py_name(x.scalar_type()), " and ", py_name(w.scalar_type()));
   CHECK_ARG(
       go.device() == x.device() && x.device() == w.device(),
       "grad_output, input and weight must be on the same device, got ", go.device(), ", ", x.device(), " and ",
@@ -232,12 +264,12 @@ Expanded check_args(const Args& a) {
 std::optional<std::string> unsupported_reason(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w) {
   const auto dtype = go.scalar_type();
   if (dtype != at::kDouble && dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) {
-    return c10::str("dtype ", dtype, " is not supported (only float64/float32/bfloat16/float16)");
+    return c10::str("dtype ", py_name(dtype), " is not supported (only float64/float32/bfloat16/float16)");
   }
   const std::pair<const char*, const at::Tensor*> tensors[] = {{"grad_output", &go}, {"input", &x}, {"weight", &w}};
   for (const auto& [name, t] : tensors) {
     if (t->layout() != at::kStrided) {
-      return c10::str(name, " has layout ", t->layout(), "; only strided tensors are supported");
+      return c10::str(name, " has layout ", py_name(t->layout()), "; only strided tensors are supported");
     }
   }
   if (go.is_cuda()) {

@@ -381,7 +381,7 @@ def test_unsupported_dtype_falls_back_with_reason():
     x, w, go = torch.ones(2, 4, 5, 5, dtype=torch.int64), torch.ones(6, 4, 3, 3, dtype=torch.int64), None
     go = torch.ones(2, 6, 3, 3, dtype=torch.int64)
     args = ConvolutionBackwardArgs(go, x, w, [6], [1], [0], [1], False, [0], 1, [True, True, True])
-    assert compiled.unsupported_reason(args) == "dtype Long is not supported (only float64/float32/bfloat16/float16)"
+    assert compiled.unsupported_reason(args) == "dtype torch.int64 is not supported (only float64/float32/bfloat16/float16)"
     aten_override.reset_stats()
     with aten_override.enable("compiled"), pytest.raises(NotImplementedError, match="not implemented for 'Long'"):
         torch.ops.aten.convolution_backward.default(*args.as_aten_args())
