@@ -81,6 +81,18 @@ inline __attribute__((always_inline)) void store(acc_t* p, typename VecOf<acc_t>
 // the grad_output vector they share) stay in registers.
 constexpr int64_t kMaxTapBlock = 8;
 
+// acc[k] += tail[k] + the lanes of sums[k], for NT taps.
+template <int NT, typename acc_t>
+inline __attribute__((always_inline)) void add_sums(
+    acc_t* acc, const typename VecOf<acc_t>::type* sums, const acc_t* tail) {
+  constexpr int64_t L = sizeof(typename VecOf<acc_t>::type) / sizeof(acc_t);
+  for (int k = 0; k < NT; ++k) {
+    acc_t total = tail[k];
+    for (int64_t i = 0; i < L; ++i) total += sums[k][i];
+    acc[k] += total;
+  }
+}
+
 // plane[j] += sum over NT taps of weight[tap] * spread[j - tap], every j of the plane. `spread` is
 // grad_output laid out like the plane (row (t, h) at (t * stride_t * rows_h + h * stride_h) * row_size,
 // zeros elsewhere), so this is exactly the scatter plane[base + tap + w] += weight[tap] *
@@ -135,11 +147,7 @@ inline __attribute__((always_inline)) void correlate_flat_taps(
       tail[k] += spread[j] * plane[taps[k] + j];
     }
   }
-  for (int k = 0; k < NT; ++k) {
-    acc_t total = tail[k];
-    for (int64_t i = 0; i < L; ++i) total += sums[k][i];
-    acc[k] += total;
-  }
+  add_sums<NT>(acc, sums, tail);
 }
 
 // acc[tap] += sum over every grad_output row of grad_output_row[w] * plane[tap + w], for NT taps.
@@ -168,11 +176,7 @@ inline __attribute__((always_inline)) void correlate_taps(
       }
     }
   }
-  for (int k = 0; k < NT; ++k) {
-    acc_t total = tail[k];
-    for (int64_t i = 0; i < L; ++i) total += sums[k][i];
-    acc[k] += total;
-  }
+  add_sums<NT>(acc, sums, tail);
 }
 
 // Splits the taps into near-equal blocks of at most kMaxTapBlock and calls op.template run<NT>(first, NT).
