@@ -20,7 +20,7 @@ depthwise            direct   ``groups == C_in`` (any channel multiplier): nativ
 grouped              direct   ``1 < groups < C_in``, ``(C_in/groups)*(C_out/groups) <= 64``; larger groups: dense
 one-channel          direct   ``groups == 1, C_in == 1`` (wav2vec2's first layer)
 small-planes         native   one of the three above with under 64 output elements per channel
-                              (MobileNetV2's 7x7 stages): the direct kernel's per-plane cost loses
+                              (MobileNetV2's 7x7 stages): the direct kernel's per-plane cost loses there
 dense                native   native's oneDNN / GEMM paths are near the hardware limit
 transposed           native   no compiled kernel yet
 no-output-channels   native   ``C_out == 0``
