@@ -11,6 +11,13 @@ the tests. When the last ``push`` is popped the library is destroyed and the dis
 as before (``torch._C._dispatch_dump("aten::convolution_backward")`` shows no trace of us).
 Interpreter exit destroys it too.
 
+While the active backend is ``compiled`` and no observer (the tracer) is set, the C++ kernel of
+``aten_override._C`` is registered at the same keys instead (``_C.register_kernels()``, a
+``torch::Library`` owned by the extension): no Python runs per call, and its counters are merged
+into :func:`stats`. Otherwise, and always while :func:`pin` holds the registration (so entering and
+leaving :func:`enable` never writes the dispatcher), the Python kernel serves the compiled backend
+through the extension's binding.
+
 Threads
 -------
 The dispatcher is process-global and autograd runs CUDA backward on its own worker threads, so
@@ -36,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch.library import Library, get_kernel
 
+from . import backends
 from .backends import ATEN_IMPL, Implementation
 from .ops.convolution_backward.args import ConvolutionBackwardArgs
 
@@ -80,7 +88,7 @@ class _State:
         self.stack: list[tuple[int, Implementation]] = []
         self.tokens = itertools.count(1)
         self.pins = 0
-        self.library: Library | None = None
+        self.library: Library | _CompiledRegistration | None = None
         self.originals: dict[str, torch._C._SafeKernelFunction] = {}
         # Read without the lock by _kernel: one attribute load is atomic under the GIL.
         self.active: Implementation | None = None
@@ -153,10 +161,38 @@ def _capture_originals() -> dict[str, torch._C._SafeKernelFunction]:
     return {key: get_kernel(OP, key) for key in DISPATCH_KEYS}
 
 
+class _CompiledRegistration:
+    """Stands in for the :class:`Library` while the C++ kernel of ``aten_override._C`` is registered."""
+
+    def __init__(self, ext) -> None:
+        self.ext = ext
+        ext.register_kernels()
+
+    def _destroy(self) -> None:
+        self.ext.deregister_kernels()
+
+
+def _compiled_extension():
+    """The extension when the C++ kernel should serve calls directly, else ``None``."""
+    impl = _state.active
+    if _state.pins or _state.observer is not None or impl is not backends._IMPLS[backends.Backend.COMPILED]:
+        return None
+    from .ops.convolution_backward import compiled
+
+    return compiled.extension()
+
+
 def _register() -> None:
+    ext = _compiled_extension()
     if _state.library is not None:
-        return
+        if isinstance(_state.library, _CompiledRegistration) == (ext is not None):
+            return
+        _deregister()
     originals = _capture_originals()
+    if ext is not None:
+        _state.library = _CompiledRegistration(ext)
+        _state.originals = originals
+        return
     lib = Library("aten", "IMPL")
     try:
         with warnings.catch_warnings():
@@ -189,12 +225,14 @@ def push(impl: Implementation) -> int:
     with _state.lock:
         token = next(_state.tokens)
         _state.stack.append((token, impl))
+        previous, _state.active = _state.active, impl
         try:
             _sync_registration()
         except BaseException:
             _state.stack.pop()
+            _state.active = previous
+            _sync_registration()
             raise
-        _state.active = impl
         return token
 
 
@@ -265,16 +303,32 @@ def set_observer(observer: Callable | None) -> Callable | None:
     (the tracer); returns the previous one. ``None`` removes it: then the kernel's path has no hook."""
     with _state.lock:
         previous, _state.observer = _state.observer, observer
+        _sync_registration()  # an observer needs the Python kernel
         return previous
 
 
 def stats() -> dict[str, object]:
     """Calls served per backend since :func:`reset_stats`: ``{"python": n, "aten": n, "fallback": n,
     "fallback_reasons": {"python: <reason>": n}}``. ``fallback`` counts calls the requested backend
-    handed to the original kernel (they are counted under ``aten`` too)."""
+    handed to the original kernel (they are counted under ``aten`` too). Calls the C++ kernel served
+    are merged in; ``"compiled_layer_classes": {class: n}`` counts the compiled backend's calls per
+    layer class (``compiled.LAYER_CLASSES``; ``dense``/``transposed`` ran native by choice)."""
     with _state.counts_lock:
-        out: dict[str, object] = dict(_state.counts)
-        out["fallback_reasons"] = dict(_state.fallback_reasons)
+        counts = Counter(_state.counts)
+        reasons = Counter(_state.fallback_reasons)
+    ext = _loaded_extension()
+    layer_classes = {}
+    if ext is not None:
+        cpp = ext.stats()
+        counts["compiled"] += cpp["served"]
+        counts["aten"] += cpp["fallback"]
+        counts["fallback"] += cpp["fallback"]
+        reasons.update({f"compiled: {r}": n for r, n in cpp["fallback_reasons"].items()})
+        layer_classes = cpp["layer_classes"]
+    out: dict[str, object] = {k: n for k, n in counts.items() if n}
+    out["fallback_reasons"] = dict(reasons)
+    if layer_classes:
+        out["compiled_layer_classes"] = dict(layer_classes)
     return out
 
 
@@ -282,6 +336,17 @@ def reset_stats() -> None:
     with _state.counts_lock:
         _state.counts.clear()
         _state.fallback_reasons.clear()
+    ext = _loaded_extension()
+    if ext is not None:
+        ext.reset_stats()
+
+
+def _loaded_extension():
+    """``aten_override._C`` if the compiled backend module was imported and the extension loaded."""
+    import sys
+
+    compiled = sys.modules.get("aten_override.ops.convolution_backward.compiled")
+    return None if compiled is None else compiled.extension()
 
 
 @atexit.register

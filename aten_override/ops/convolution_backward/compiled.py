@@ -1,17 +1,121 @@
-"""The compiled (C++) backend: loads the extension and describes it. Not built yet."""
+r"""The compiled (C++) backend of ``aten::convolution_backward``: loads ``aten_override._C`` and
+describes it. Importing this module never fails; without the extension
+:func:`unavailable_reason` says why.
+
+The C++ code (``aten_override/csrc``) mirrors the contract of the python backend
+(:mod:`.python_impl`): the checks of :func:`.args.check_args` with ``convolution_backward[compiled]``
+messages, upstream's output strides (``at::native::select_conv_backend`` +
+``_determine_backend_memory_format``), ``None`` for masked outputs, zeros for empty batches.
+
+Each call is served by the kernel of its *layer class* (:data:`LAYER_CLASSES`, the table in
+``csrc/convolution_backward.cpp``):
+
+==================== ======== =================================================================
+class                kernel   why
+==================== ======== =================================================================
+empty                zeros    zero batch / zero input channels (upstream's Empty backend); no abort
+                              with ``bias_sizes=None``
+depthwise            direct   ``groups == C_in`` (any channel multiplier): native reaches 1-6% of
+                              FLOP peak; fused direct kernel (``csrc/cpu/direct.cpp``)
+grouped              direct   ``1 < groups < C_in``, ``(C_in/groups)*(C_out/groups) <= 64``; larger groups: dense
+one-channel          direct   ``groups == 1, C_in == 1`` (wav2vec2's first layer)
+small-planes         native   one of the three above with under 64 output elements per channel
+                              (MobileNetV2's 7x7 stages): the direct kernel's per-plane cost loses there
+dense                native   native's oneDNN / GEMM paths are near the hardware limit
+transposed           native   no compiled kernel yet
+no-output-channels   native   ``C_out == 0``
+==================== ======== =================================================================
+
+"native" is a deliberate choice, not a fallback: the call is counted as served by the compiled
+backend. A *fallback* (:func:`unsupported_reason` is not ``None``: integer / complex dtypes, sparse
+layouts, CUDA tensors since this build has no CUDA kernels) runs the original kernel with the reason
+recorded in :func:`aten_override.stats`.
+
+float16 / bfloat16 accumulate in float32; the direct kernel does not use atomics and its result
+does not depend on the thread count.
+"""
 
 from __future__ import annotations
 
-_REASON = "compiled kernels not built"
+from types import ModuleType
+
+from .args import ConvolutionBackwardArgs
+
+__all__ = [
+    "NAME",
+    "LAYER_CLASSES",
+    "extension",
+    "unavailable_reason",
+    "unsupported_reason",
+    "layer_class",
+    "convolution_backward",
+]
+
+NAME = "compiled"
+
+try:
+    from ... import _C as _ext
+except Exception as e:  # noqa: BLE001 - not built, or built against another torch: never fail import
+    _ext = None
+    _REASON: str | None = f"compiled kernels not built ({type(e).__name__}: {e})"
+else:
+    _REASON = None
+
+LAYER_CLASSES: tuple[tuple[str, str, str], ...] = tuple(_ext.layer_classes()) if _ext is not None else ()
+"""``(class, kernel, why)`` rows of the C++ table; empty when the extension is not built."""
+
+
+def extension() -> ModuleType | None:
+    """The loaded ``aten_override._C`` module, or ``None`` when it is not built."""
+    return _ext
 
 
 def unavailable_reason() -> str | None:
+    """``None`` when the extension is loaded, else ``"compiled kernels not built (<why>)"``."""
     return _REASON
 
 
-def unsupported_reason(args) -> str | None:
-    return _REASON
+def unsupported_reason(args: ConvolutionBackwardArgs) -> str | None:
+    """Why the compiled backend hands ``args`` to the original kernel, or ``None`` when it serves them
+    (possibly by choosing native for its layer class, which is not a fallback)."""
+    if _ext is None:
+        return _REASON
+    return _ext.unsupported_reason(args.grad_output, args.input, args.weight)
 
 
-def convolution_backward(args):
-    raise RuntimeError(f"convolution_backward[compiled]: {_REASON}")
+def layer_class(args: ConvolutionBackwardArgs) -> str:
+    """The layer class (a :data:`LAYER_CLASSES` name) that serves ``args``.
+
+    Raises:
+        RuntimeError: ``convolution_backward[compiled]: ...`` for invalid arguments, or when the
+            extension is not built.
+    """
+    _require()
+    return _ext.layer_class(*_aten_args(args))
+
+
+def convolution_backward(args: ConvolutionBackwardArgs):
+    """``(grad_input, grad_weight, grad_bias)`` computed by the C++ backend; ``None`` where
+    ``args.output_mask`` is False. Shapes, dtypes and strides as :func:`.python_impl.convolution_backward`.
+
+    Raises:
+        RuntimeError: ``convolution_backward[compiled]: ...`` for invalid arguments (the checks of
+            :func:`.args.check_args`), or when the extension is not built.
+    """
+    _require()
+    return _ext.convolution_backward(*_aten_args(args))
+
+
+def _require() -> None:
+    if _ext is None:
+        raise RuntimeError(f"convolution_backward[{NAME}]: {_REASON}")
+
+
+def _aten_args(args: ConvolutionBackwardArgs) -> tuple:
+    a = args
+    bias_sizes = None if a.bias_sizes is None else [int(s) for s in a.bias_sizes]
+    return (
+        a.grad_output, a.input, a.weight, bias_sizes, [int(s) for s in a.stride], [int(s) for s in a.padding],
+        [int(s) for s in a.dilation], bool(a.transposed), [int(s) for s in a.output_padding], int(a.groups),
+        [bool(m) for m in a.output_mask],
+    )

@@ -1,0 +1,441 @@
+"""The compiled (C++) backend against the original ATen kernel.
+
+Every test that runs the backend proves it ran: ``aten_override.stats()`` counts the calls the C++
+kernel served and the layer class that computed them (``compiled_layer_classes``). Values are
+compared with the original kernel (float64) or with a float64 reference, within twice the original
+kernel's own error (float32/bfloat16/float16); dtypes, shapes and strides must be identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+import aten_override
+from aten_override import _registration
+from aten_override.ops.convolution_backward import compiled
+from aten_override.ops.convolution_backward.args import ConvolutionBackwardArgs
+
+COMPILED_UNAVAILABLE = aten_override.availability()["compiled"]
+pytestmark = pytest.mark.skipif(COMPILED_UNAVAILABLE is not None, reason=str(COMPILED_UNAVAILABLE))
+NO_CUDA = "no CUDA device in this process (run scripts/gpu_check.sh on a GPU machine)"
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+
+ALL_MASKS = [m for m in itertools.product([True, False], repeat=3)]
+
+
+# --- the problems --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One convolution layer; ``layer_class`` is the compiled backend's class for it."""
+
+    layer_class: str
+    c_in: int
+    c_out: int
+    groups: int = 1
+    transposed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    name: str
+    kernel: int
+    stride: int = 1
+    padding: int = 0
+    dilation: int = 1
+    output_padding: int = 0
+
+
+LAYERS = {
+    "depthwise": Layer("depthwise", 4, 4, groups=4),
+    "depthwise-x2": Layer("depthwise", 4, 8, groups=4),  # channel multiplier 2
+    "grouped": Layer("grouped", 8, 12, groups=2),
+    "one-channel": Layer("one-channel", 1, 6),
+    "dense": Layer("dense", 4, 6),
+    "transposed": Layer("transposed", 4, 6, groups=2, transposed=True),
+}
+GEOMETRIES = [
+    Geometry("k3,p1", 3, padding=1),
+    Geometry("k3,s2", 3, stride=2),
+    Geometry("k2,s3,p2,d2", 2, stride=3, padding=2, dilation=2),
+]
+TRANSPOSED_GEOMETRIES = [
+    Geometry("k3,p1", 3, padding=1),
+    Geometry("k3,s2,p1,op1", 3, stride=2, padding=1, output_padding=1),
+    Geometry("k2,s3,p2,d2,op2", 2, stride=3, padding=2, dilation=2, output_padding=2),
+]
+# Large enough for 64 output elements per channel in every geometry (fewer: class "small-planes").
+SPATIAL = {1: [200], 2: [22, 21], 3: [9, 10, 12]}
+
+
+def make_args(
+    layer: Layer,
+    geometry: Geometry,
+    dims: int,
+    dtype: torch.dtype = torch.float32,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    output_mask=(True, True, True),
+    batch: int = 2,
+    device: str = "cpu",
+    seed: int = 0,
+) -> ConvolutionBackwardArgs:
+    """Random arguments of ``aten::convolution_backward`` for one layer (grad_output of the right size)."""
+    g = torch.Generator().manual_seed(seed)
+    spatial = SPATIAL[dims]
+    k = [geometry.kernel] * dims
+    if layer.transposed:
+        w_shape = [layer.c_in, layer.c_out // layer.groups, *k]
+    else:
+        w_shape = [layer.c_out, layer.c_in // layer.groups, *k]
+    x = torch.randn([batch, layer.c_in, *spatial], generator=g, dtype=torch.float64)
+    w = torch.randn(w_shape, generator=g, dtype=torch.float64)
+    s, p, d, op = geometry.stride, geometry.padding, geometry.dilation, geometry.output_padding
+    if layer.transposed:
+        out = [(i - 1) * s - 2 * p + d * (kk - 1) + op + 1 for i, kk in zip(spatial, k)]
+    else:
+        out = [(i + 2 * p - d * (kk - 1) - 1) // s + 1 for i, kk in zip(spatial, k)]
+    go = torch.randn([batch, layer.c_out, *out], generator=g, dtype=torch.float64)
+
+    def place(t):
+        t = t.to(dtype=dtype, device=device)
+        if memory_format is not torch.contiguous_format and t.dim() in (4, 5):
+            t = t.contiguous(memory_format=memory_format)
+        return t
+
+    return ConvolutionBackwardArgs(
+        place(go), place(x), place(w), [layer.c_out], [s], [p], [d], layer.transposed,
+        [op if layer.transposed else 0], layer.groups, list(output_mask),
+    )
+
+
+def _fmt_name(fmt: torch.memory_format) -> str:
+    return str(fmt).replace("torch.", "")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _mask_name(mask) -> str:
+    return "mask=" + "".join("1" if m else "0" for m in mask)
+
+
+def _cases():
+    """(id, layer, geometry, dims, dtype, memory_format, output_mask)."""
+    cases = []
+
+    def add(name, geometry, dims, dtype=torch.float32, fmt=torch.contiguous_format, mask=(True, True, True)):
+        layer = LAYERS[name]
+        parts = [f"dim={dims}", name, geometry.name]
+        if dtype is not torch.float32:
+            parts.append(_dtype_name(dtype))
+        if fmt is not torch.contiguous_format:
+            parts.append(_fmt_name(fmt))
+        if mask != (True, True, True):
+            parts.append(_mask_name(mask))
+        cases.append(pytest.param(layer, geometry, dims, dtype, fmt, mask, id=",".join(parts)))
+
+    for name, layer in LAYERS.items():
+        geometries = TRANSPOSED_GEOMETRIES if layer.transposed else GEOMETRIES
+        for dims, geometry in itertools.product((1, 2, 3), geometries):
+            add(name, geometry, dims)
+        for dims, dtype in itertools.product((1, 2, 3), (torch.float64, torch.bfloat16, torch.float16)):
+            add(name, geometries[1], dims, dtype=dtype)
+        add(name, geometries[0], 2, fmt=torch.channels_last)
+        add(name, geometries[1], 2, dtype=torch.bfloat16, fmt=torch.channels_last)
+        add(name, geometries[0], 3, fmt=torch.channels_last_3d)
+    for name in ("depthwise", "grouped", "one-channel", "dense"):
+        for mask in ALL_MASKS:
+            if mask != (True, True, True):
+                add(name, GEOMETRIES[1], 2, mask=mask)
+    return cases
+
+
+# --- comparison -----------------------------------------------------------------------------------
+
+
+def run_compiled(args: ConvolutionBackwardArgs):
+    """``aten::convolution_backward`` through the dispatcher with the compiled backend enabled."""
+    with aten_override.enable("compiled"):
+        return torch.ops.aten.convolution_backward.default(*args.as_aten_args())
+
+
+def to_float64(args: ConvolutionBackwardArgs) -> ConvolutionBackwardArgs:
+    return dataclasses.replace(
+        args, grad_output=args.grad_output.double(), input=args.input.double(), weight=args.weight.double()
+    )
+
+
+def assert_matches_original(args: ConvolutionBackwardArgs, ours) -> None:
+    """``ours`` has the original kernel's None pattern, shapes, dtypes and strides, and its values
+    (float64: close to the original's; float32/bfloat16/float16: as close to a float64 reference as
+    twice the original kernel's own error, plus 8 eps of the largest magnitude)."""
+    device = args.grad_output.device.type
+    original = aten_override.original_kernel(device)
+    ref = original(*args.as_aten_args())
+    dtype = args.grad_output.dtype
+    reduced = dtype != torch.float64
+    ref64 = original(*to_float64(args).as_aten_args()) if reduced else None
+    eps = torch.finfo(dtype).eps
+    for i, name in enumerate(("grad_input", "grad_weight", "grad_bias")):
+        if not args.output_mask[i]:
+            assert ours[i] is None, f"{name} must be None when output_mask[{i}] is False"
+            continue
+        a, b = ours[i], ref[i]
+        assert a.shape == b.shape, name
+        assert a.dtype == b.dtype, name
+        assert a.stride() == b.stride(), f"{name}: strides {a.stride()} != original's {b.stride()}"
+        if not reduced:
+            torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+        else:
+            exact = ref64[i]
+            ours_err = (a.double() - exact).abs().max().item()
+            native_err = (b.double() - exact).abs().max().item()
+            scale = exact.abs().max().item()
+            assert ours_err <= 2 * native_err + 8 * eps * scale, (
+                f"{name}: error {ours_err:.3g} vs the original kernel's {native_err:.3g} (scale {scale:.3g})"
+            )
+
+
+def assert_compiled_served(layer_class: str, calls: int = 1) -> None:
+    stats = aten_override.stats()
+    assert stats.get("compiled", 0) == calls, stats
+    assert stats.get("fallback", 0) == 0, stats
+    assert stats.get("compiled_layer_classes", {}) == {layer_class: calls}, stats
+
+
+# --- the matrix -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer,geometry,dims,dtype,memory_format,output_mask", _cases())
+def test_matches_original(layer, geometry, dims, dtype, memory_format, output_mask):
+    args = make_args(layer, geometry, dims, dtype, memory_format, output_mask)
+    aten_override.reset_stats()
+    ours = run_compiled(args)
+    assert_compiled_served(layer.layer_class)
+    assert_matches_original(args, ours)
+
+
+@pytest.mark.parametrize("name", ["depthwise", "grouped", "one-channel"])
+def test_non_contiguous_inputs(name):
+    """Transposed-stride grad_output/input/weight views (not in a memory format) give the same values."""
+    args = make_args(LAYERS[name], GEOMETRIES[0], 2)
+
+    def strided(t):
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    args = dataclasses.replace(
+        args, grad_output=strided(args.grad_output), input=strided(args.input), weight=strided(args.weight)
+    )
+    aten_override.reset_stats()
+    ours = run_compiled(args)
+    assert_compiled_served(LAYERS[name].layer_class)
+    assert_matches_original(args, ours)
+
+
+def test_python_kernel_path_uses_the_binding():
+    """With install() the Python kernel stays registered and serves the compiled backend through the
+    extension's binding: same values, the C++ layer class is counted."""
+    args = make_args(LAYERS["depthwise"], GEOMETRIES[1], 2)
+    aten_override.install()
+    try:
+        assert "_registration.py" in torch._C._dispatch_dump("aten::convolution_backward")
+        aten_override.reset_stats()
+        ours = run_compiled(args)
+        assert "_registration.py" in torch._C._dispatch_dump("aten::convolution_backward")
+    finally:
+        aten_override.uninstall()
+    assert_compiled_served("depthwise")
+    assert_matches_original(args, ours)
+
+
+def test_cpp_kernel_registered_only_while_enabled():
+    def ours_registered():
+        return "csrc/convolution_backward.cpp" in torch._C._dispatch_dump("aten::convolution_backward")
+
+    assert not ours_registered()
+    with aten_override.enable("compiled"):
+        assert ours_registered()
+        with aten_override.enable("python"):
+            assert not ours_registered()
+        assert ours_registered()
+        previous = _registration.set_observer(lambda keyset, aten_args, impl, route: route(keyset, aten_args, impl))
+        try:
+            assert not ours_registered()
+        finally:
+            _registration.set_observer(previous)
+        assert ours_registered()
+    assert not ours_registered()
+    assert not aten_override.is_registered()
+
+
+# --- contract details -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["depthwise", "grouped", "one-channel"])
+def test_deterministic_across_runs_and_thread_counts(name):
+    args = make_args(LAYERS[name], GEOMETRIES[0], 2, batch=3)
+    first = run_compiled(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = run_compiled(args)
+    finally:
+        torch.set_num_threads(threads)
+    again = run_compiled(args)
+    for a, b, c in zip(first, single, again):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("bias_sizes", [None, [4]], ids=["bias_sizes=None", "bias_sizes=[4]"])
+@pytest.mark.parametrize("empty", ["batch", "channels"])
+def test_empty_gives_zeros(empty, bias_sizes):
+    """Zero batch / zero input channels: zeros of the right shapes, and no abort with bias_sizes=None
+    (upstream dereferences the empty optional there)."""
+    n, c = (0, 4) if empty == "batch" else (2, 0)
+    x = torch.randn(n, c, 5, 5)
+    w = torch.randn(4, c, 3, 3)
+    go = torch.randn(n, 4, 3, 3)
+    aten_override.reset_stats()
+    with aten_override.enable("compiled"):
+        gi, gw, gb = torch.ops.aten.convolution_backward.default(
+            go, x, w, bias_sizes, [1], [0], [1], False, [0], 1, [True, True, True]
+        )
+    assert_compiled_served("empty")
+    assert gi.shape == x.shape and gw.shape == w.shape and gb.shape == (4,)
+    assert not gi.any() and not gw.any() and not gb.any()
+
+
+@pytest.mark.parametrize("grad", ["input", "weight"])
+@pytest.mark.parametrize("name", ["depthwise", "grouped"])
+def test_nn_grad_placeholders(name, grad):
+    """torch.nn.grad passes a stride-0 placeholder for the tensor whose gradient it does not want."""
+    layer = LAYERS[name]
+    args = make_args(layer, GEOMETRIES[1], 2)
+    x, w, go = args.input, args.weight, args.grad_output
+    if grad == "input":
+        def fn():
+            return torch.nn.grad.conv2d_input(x.shape, w, go, stride=2, groups=layer.groups)
+    else:
+        def fn():
+            return torch.nn.grad.conv2d_weight(x, w.shape, go, stride=2, groups=layer.groups)
+    expected = fn()
+    aten_override.reset_stats()
+    with aten_override.enable("compiled"):
+        ours = fn()
+    assert_compiled_served(layer.layer_class)
+    torch.testing.assert_close(ours, expected)
+    assert ours.stride() == expected.stride()
+
+
+def test_vmap_per_sample_grads():
+    """vmap over a batch of B samples calls convolution_backward with groups=groups*B."""
+    conv = torch.nn.Conv2d(4, 8, 3, padding=1, groups=2)
+    params = {k: v.detach() for k, v in conv.named_parameters()}
+    x = torch.randn(5, 4, 10, 10)
+
+    def loss(p, sample):
+        return torch.func.functional_call(conv, p, (sample.unsqueeze(0),)).square().sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))
+    expected = per_sample(params, x)
+    aten_override.reset_stats()
+    with aten_override.enable("compiled"):
+        ours = per_sample(params, x)
+    stats = aten_override.stats()
+    assert stats.get("compiled") == 1 and stats["compiled_layer_classes"] == {"grouped": 1}, stats
+    for key in expected:
+        torch.testing.assert_close(ours[key], expected[key])
+
+
+ERRORS = [
+    ("groups", dict(groups=4), r"convolution_backward\[compiled\]: groups \(4\) must divide C_out \(6\)"),
+    ("stride", dict(stride=[0]), r"convolution_backward\[compiled\]: non-positive stride is not supported, got stride=\[0, 0\]"),
+    ("padding", dict(padding=[-1]), r"negative padding is not supported"),
+    ("dilation", dict(dilation=[1, 1, 1]), r"expected dilation to be a single integer value or a list of 2 values"),
+    ("output_padding", dict(output_padding=[1]), r"output_padding is not supported for non-transposed"),
+    ("grad_output", dict(grad_output=torch.randn(2, 6, 4, 4)), r"grad_output spatial size \[4, 4\] does not match"),
+    ("dtype", dict(weight=torch.randn(6, 4, 3, 3, dtype=torch.float64)), r"must have the same dtype"),
+]
+
+
+@pytest.mark.parametrize("change,match", [pytest.param(c, m, id=i) for i, c, m in ERRORS])
+def test_errors_name_op_backend_and_values(change, match):
+    args = ConvolutionBackwardArgs(
+        torch.randn(2, 6, 3, 3), torch.randn(2, 4, 5, 5), torch.randn(6, 4, 3, 3), [6], [1], [0], [1], False, [0], 1,
+        [True, True, True],
+    )
+    args = dataclasses.replace(args, **change)
+    with aten_override.enable("compiled"), pytest.raises(RuntimeError, match=match):
+        torch.ops.aten.convolution_backward.default(*args.as_aten_args())
+    with pytest.raises(RuntimeError, match=match):
+        compiled.convolution_backward(args)
+
+
+def test_unsupported_dtype_falls_back_with_reason():
+    x, w, go = torch.ones(2, 4, 5, 5, dtype=torch.int64), torch.ones(6, 4, 3, 3, dtype=torch.int64), None
+    go = torch.ones(2, 6, 3, 3, dtype=torch.int64)
+    args = ConvolutionBackwardArgs(go, x, w, [6], [1], [0], [1], False, [0], 1, [True, True, True])
+    assert compiled.unsupported_reason(args) == "dtype torch.int64 is not supported (only float64/float32/bfloat16/float16)"
+    aten_override.reset_stats()
+    with aten_override.enable("compiled"), pytest.raises(NotImplementedError, match="not implemented for 'Long'"):
+        torch.ops.aten.convolution_backward.default(*args.as_aten_args())
+    stats = aten_override.stats()
+    assert stats["fallback"] == 1 and stats["aten"] == 1, stats
+    assert stats["fallback_reasons"] == {"compiled: " + compiled.unsupported_reason(args): 1}
+
+
+def test_small_planes_go_to_native():
+    layer = LAYERS["depthwise"]
+    args = make_args(layer, GEOMETRIES[0], 2)
+    small = dataclasses.replace(
+        args, input=args.input[:, :, :7, :7].contiguous(), grad_output=args.grad_output[:, :, :7, :7].contiguous()
+    )
+    assert compiled.layer_class(small) == "small-planes"
+    aten_override.reset_stats()
+    ours = run_compiled(small)
+    assert_compiled_served("small-planes")
+    assert_matches_original(small, ours)
+
+
+def test_layer_class_table_matches_docs():
+    names = [row[0] for row in compiled.LAYER_CLASSES]
+    assert names == [
+        "empty", "depthwise", "grouped", "one-channel", "small-planes", "dense", "transposed", "no-output-channels"
+    ]
+    for name, kernel, _ in compiled.LAYER_CLASSES:
+        assert f"{name} " in compiled.__doc__ and kernel in ("direct", "zeros", "native")
+    args = make_args(LAYERS["grouped"], GEOMETRIES[0], 2)
+    assert compiled.layer_class(args) == "grouped"
+
+
+@pytest.mark.parametrize("name", ["depthwise", "one-channel"])
+def test_opcheck(name):
+    args = make_args(LAYERS[name], GEOMETRIES[1], 2)
+    with aten_override.enable("compiled"):
+        torch.library.opcheck(
+            torch.ops.aten.convolution_backward.default,
+            args.as_aten_args(),
+            test_utils=("test_schema", "test_faketensor"),
+        )
+    assert aten_override.stats()["compiled_layer_classes"][LAYERS[name].layer_class] >= 1
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_cuda_routes_to_original_with_reason(name):
+    """This build has no CUDA kernels: CUDA calls run the original kernel with the reason recorded."""
+    layer = LAYERS[name]
+    geometry = (TRANSPOSED_GEOMETRIES if layer.transposed else GEOMETRIES)[1]
+    args = make_args(layer, geometry, 2, device="cuda")
+    aten_override.reset_stats()
+    ours = run_compiled(args)
+    stats = aten_override.stats()
+    assert stats["fallback_reasons"] == {"compiled: no CUDA kernels in this build": 1}, stats
+    assert_matches_original(args, ours)
