@@ -1,0 +1,16 @@
+r"""Every skip of the shipped suite, declared once with its reason.
+
+Tests call ``self.skipTest(SKIPS[...])`` (or use the ``unittest.skip`` decorators below); the
+runner's summary groups skipped tests by these reasons.
+"""
+
+from __future__ import annotations
+
+__all__ = ["SKIPS"]
+
+SKIPS: dict[str, str] = {
+    "channels_last_1d": "channels_last applies to 2-D and 3-D convolutions only",
+    "native_unchecked": "the original kernel does not validate this input: {gap}",
+    "all_fallback": "backend {backend!r} handed every call to the original kernel: {reasons}",
+    "no_cuda": "no CUDA device in this process",
+}
