@@ -10,7 +10,7 @@ entries, one per forward op, derive their samples from PyTorch's own forward OpI
    exactly as autograd would pass them to the backward);
 2. ``grad_output`` is a fresh tensor shaped like that call's output;
 3. for every distinct call, one :class:`SampleInput` with ``output_mask=[True, True, True]`` and
-   one with the next of the other 7 masks in turn, so each variant covers all 8.
+   one with another of the 7 other masks in turn, so each variant covers all 8.
 
 A sample's ``input`` is ``grad_output``; its ``args`` are the rest of the aten arguments in
 schema order, so ``op(sample.input, *sample.args)`` is the aten call.
@@ -106,30 +106,39 @@ def sample_inputs_convolution_backward(op_info, device, dtype, requires_grad=Fal
     """
     forward = _upstream_op(VARIANTS[op_info.variant_test_name][0])
     seen = set()
+    uncovered = list(OUTPUT_MASKS[1:])
+    last = None
     for sample in forward.sample_inputs(device, dtype, requires_grad=False):
         with torch.no_grad(), _CaptureConvolution() as capture:
             forward(sample.input, *sample.args, **sample.kwargs)
         for args, out in capture.calls:
             x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args
             desc = _describe(x, w, stride, padding, dilation, transposed, output_padding, groups)
-            key = (desc, bias is not None)
-            if key in seen:  # upstream's batched and unbatched samples often coincide
+            if desc in seen:  # upstream's batched and unbatched samples often coincide
                 continue
-            seen.add(key)
+            seen.add(desc)
             grad_output = make_tensor(out.shape, device=device, dtype=dtype)
-            other_mask = OUTPUT_MASKS[1 + (len(seen) - 1) % (len(OUTPUT_MASKS) - 1)]
-            for mask in (OUTPUT_MASKS[0], other_mask):
-                # bias_sizes as autograd passes it; None only when no bias grad is asked for, since
-                # upstream's Empty backend aborts on None with output_mask[2] (upstream-notes §0.5).
-                bias_sizes = list(bias.shape) if bias is not None else ([out.size(1)] if mask[2] else None)
-                yield SampleInput(
-                    grad_output.clone(),
-                    args=(
-                        x.detach().clone(), w.detach().clone(), bias_sizes, list(stride), list(padding),
-                        list(dilation), bool(transposed), list(output_padding), int(groups), list(mask),
-                    ),
-                    name=f"{desc},bias_sizes={bias_sizes},output_mask={_mask_name(mask)}",
-                )
+            other = uncovered.pop(0) if uncovered else OUTPUT_MASKS[1 + len(seen) % (len(OUTPUT_MASKS) - 1)]
+            last = (desc, grad_output, args, out)
+            for mask in (OUTPUT_MASKS[0], other):
+                yield _sample(desc, grad_output, args, out, mask)
+    for mask in uncovered:  # fewer distinct calls than masks: the last call takes the rest
+        yield _sample(*last, mask)
+
+
+def _sample(desc, grad_output, conv_args, out, mask) -> SampleInput:
+    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = conv_args
+    # bias_sizes as autograd passes it; None only when no bias grad is asked for, since upstream's
+    # Empty backend aborts on None with output_mask[2] (upstream-notes §0.5).
+    bias_sizes = list(bias.shape) if bias is not None else ([out.size(1)] if mask[2] else None)
+    return SampleInput(
+        grad_output.clone(),
+        args=(
+            x.detach().clone(), w.detach().clone(), bias_sizes, list(stride), list(padding),
+            list(dilation), bool(transposed), list(output_padding), int(groups), list(mask),
+        ),
+        name=f"{desc},bias_sizes={bias_sizes},output_mask={_mask_name(mask)}",
+    )
 
 
 class ConvolutionBackwardErrorInput(ErrorInput):
