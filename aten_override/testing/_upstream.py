@@ -4,7 +4,8 @@ r"""Every name this package takes from ``torch.testing._internal``, pinned in on
 between releases (in 2.13 ``skip``/``xfail``/``skipOps`` live in ``common_device_type``; on main
 ``common_methods_invocations`` re-exports them). Each name is looked up in the modules that have
 held it, newest first, so a move costs one line here and nothing elsewhere. A name found nowhere
-raises ``ImportError`` naming the torch version and the modules searched.
+raises ``ImportError`` naming the torch version and the modules searched; a module that fails to
+import (``torch.testing._internal`` needs numpy) raises ``ImportError`` with that cause.
 
 Importing this module imports ``torch.testing._internal`` (about 5 s): import it from test code
 only, never from :mod:`aten_override` itself.
@@ -66,15 +67,22 @@ _LOCATIONS: dict[str, tuple[str, ...]] = {
 
 
 def _lookup(name: str):
-    tried = []
+    tried, errors = [], []
     for module_name in _LOCATIONS[name]:
         tried.append(_PREFIX + module_name)
         try:
             module = importlib.import_module(_PREFIX + module_name)
-        except ImportError:
+        except ImportError as e:  # e.g. numpy missing: torch.testing._internal needs it
+            errors.append(f"{_PREFIX + module_name}: {type(e).__name__}: {e}")
             continue
         if hasattr(module, name):
             return getattr(module, name)
+    if errors:
+        raise ImportError(
+            f"aten_override.testing: cannot import {name!r} from torch {torch.__version__}'s test "
+            f"infrastructure ({'; '.join(errors)}); install the test extra: "
+            "pip install 'aten_override[test]'"
+        )
     raise ImportError(
         f"aten_override.testing: torch {torch.__version__} has no {name!r} in {', '.join(tried)}; "
         "torch.testing._internal changed: add its new location to "
