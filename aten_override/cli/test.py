@@ -47,6 +47,11 @@ class _Summary:
         self.results: dict[str, tuple[str, str]] = {}  # nodeid -> (backend, passed/failed/skipped)
         self.skip_reasons: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.failed_subtests: dict[str, list[str]] = collections.defaultdict(list)
+        self.collection_errors: list[str] = []
+
+    def pytest_collectreport(self, report) -> None:
+        if report.failed:
+            self.collection_errors.append(report.nodeid)
 
     def pytest_configure(self, config) -> None:
         from .. import pytest_plugin
@@ -109,6 +114,8 @@ class _Summary:
                 lines.append(f"  {name}: FAILED {test}")
             if len(failed) > 20:
                 lines.append(f"  {name}: ... and {len(failed) - 20} more failures")
+        for nodeid in self.collection_errors:
+            lines.append(f"ERROR collecting {nodeid} (see above)")
         return "\n".join(lines)
 
 
