@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import _registration
+from .. import original_kernel, reset_stats, stats as backend_stats
 from ..backends import Implementation
 from ..context import enable
 from ..ops.convolution_backward.args import ConvolutionBackwardArgs
@@ -52,7 +52,7 @@ _OP = torch.ops.aten.convolution_backward.default
 def call_native(aten_args: Sequence, device_type: str | None = None):
     """The original kernel (``aten_override.original_kernel``) on ``aten_args``."""
     device_type = device_type or aten_args[0].device.type
-    return tuple(_registration.original_kernel(device_type)(*aten_args))
+    return tuple(original_kernel(device_type)(*aten_args))
 
 
 def float64_reference(aten_args: Sequence):
@@ -86,9 +86,9 @@ def served_by(impl: Implementation, expected: dict[str, int] | None = None):
     Raises:
         AssertionError: naming the expected and the actual counts.
     """
-    _registration.reset_stats()
+    reset_stats()
     yield
-    stats = _registration.stats()
+    stats = backend_stats()
     if expected is not None:
         actual = {name: stats.get(name, 0) for name in expected}
         if actual != expected:

@@ -16,8 +16,6 @@ shaped like ``input``, ``weight`` and ``(C_out,)``, ``None`` where ``output_mask
 
 from __future__ import annotations
 
-import torch
-
 import aten_override
 
 __all__ = ["delegating", "wrong_grad_weight", "wrong_strides"]

@@ -23,7 +23,6 @@ the original kernel does (``native_error_regex``; ``None`` when it does not rais
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from collections.abc import Iterator
 
