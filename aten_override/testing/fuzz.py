@@ -5,7 +5,8 @@ transposed, stride / padding / dilation / groups, ``output_padding`` up to
 ``max(stride, dilation) - 1`` (so also ``>= stride`` where the dilation allows it), every
 ``output_mask``, ``bias_sizes`` given or ``None``, an empty batch now and then, float64 / float32 /
 bfloat16 / float16, channels_last or non-contiguous ``input`` / ``weight``, and contiguous,
-channels_last, non-contiguous or expanded (stride-0) ``grad_output``.
+channels_last, non-contiguous or expanded (stride-0) ``grad_output``. Calls on which the original
+kernel crashes the process (:func:`.skips.native_crash_reason`) are drawn in float32 instead.
 
 A drawn :class:`ConvolutionBackwardCase` renders itself as a self-contained Python snippet
 (:meth:`ConvolutionBackwardCase.reproduction`) that calls
@@ -31,6 +32,7 @@ from hypothesis import strategies as st
 
 from ..backends import Backend, Implementation
 from .selection import FUZZ_ENV
+from .skips import native_crash_reason
 
 __all__ = [
     "CI_EXAMPLES",
@@ -220,6 +222,13 @@ def convolution_backward_cases(draw, device: str = "cpu", dtypes: Sequence[torch
     # Upstream's Empty backend aborts the process on bias_sizes=None with output_mask[2].
     may_omit_bias = not (batch == 0 and output_mask[2])
     bias_sizes = None if may_omit_bias and draw(st.booleans()) else [c_out]
+    dtype = draw(st.sampled_from(list(dtypes)))
+    crash = native_crash_reason(
+        device_type=torch.device(device).type, dtype=dtype, transposed=transposed, spatial_dims=dims,
+        output_mask=output_mask, padding=padding, dilation=dilation,
+    )
+    if crash is not None:  # rare: the reference would kill the process; draw the call in float32
+        dtype = torch.float32
     return ConvolutionBackwardCase(
         grad_output=TensorRecipe((batch, c_out, *spatial_out), _draw_layout(draw, dims, _LAYOUTS)),
         input=TensorRecipe((batch, c_in, *spatial_in), _draw_layout(draw, dims, _LAYOUTS[:3])),
@@ -232,7 +241,7 @@ def convolution_backward_cases(draw, device: str = "cpu", dtypes: Sequence[torch
         output_padding=output_padding,
         groups=groups,
         output_mask=output_mask,
-        dtype=draw(st.sampled_from(list(dtypes))),
+        dtype=dtype,
         device=device,
         seed=draw(st.integers(0, 2**31 - 1)),
     )
