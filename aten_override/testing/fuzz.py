@@ -1,0 +1,247 @@
+r"""Differential fuzzing of ``aten::convolution_backward`` with ``hypothesis``.
+
+:func:`convolution_backward_cases` draws random *valid* calls: 1-3 spatial dims, regular or
+transposed, stride / padding / dilation / groups, ``output_padding`` up to
+``max(stride, dilation) - 1`` (so also ``>= stride`` where the dilation allows it), every
+``output_mask``, ``bias_sizes`` given or ``None``, an empty batch now and then, float64 / float32 /
+bfloat16 / float16, channels_last or non-contiguous ``input`` / ``weight``, and contiguous,
+channels_last, non-contiguous or expanded (stride-0) ``grad_output``. Calls on which the original
+kernel crashes the process (:func:`.skips.native_crash_reason`) are drawn in float32 instead.
+
+A drawn :class:`ConvolutionBackwardCase` renders itself as a self-contained Python snippet
+(:meth:`ConvolutionBackwardCase.reproduction`) that calls
+``torch.ops.aten.convolution_backward.default``; the tensors a test uses are built by running that
+very snippet's setup (:meth:`ConvolutionBackwardCase.aten_args`), so the reproduction printed for
+a failing, shrunk example is exactly what failed.
+
+Settings profiles (:func:`fuzz_settings`): ``aten_override-ci`` runs :data:`CI_EXAMPLES` examples,
+derandomized (a CI run is reproducible); with the environment variable :data:`FUZZ_ENV` set to N
+(``python -m aten_override test --fuzz N``) ``aten_override-fuzz`` runs N random examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import textwrap
+from collections.abc import Sequence
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from ..backends import Backend, Implementation
+from .selection import FUZZ_ENV
+from .skips import native_crash_reason
+
+__all__ = [
+    "CI_EXAMPLES",
+    "FUZZ_ENV",
+    "ConvolutionBackwardCase",
+    "TensorRecipe",
+    "convolution_backward_cases",
+    "fuzz_settings",
+]
+
+CI_EXAMPLES = 100
+
+_COMMON = dict(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors],
+)
+settings.register_profile("aten_override-ci", max_examples=CI_EXAMPLES, derandomize=True, database=None, **_COMMON)
+settings.register_profile("aten_override-fuzz", max_examples=int(os.environ.get(FUZZ_ENV) or 1000), **_COMMON)
+
+
+def fuzz_settings() -> settings:
+    """``aten_override-fuzz`` when :data:`FUZZ_ENV` is set, else ``aten_override-ci``."""
+    return settings.get_profile("aten_override-fuzz" if os.environ.get(FUZZ_ENV) else "aten_override-ci")
+
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_LAYOUTS = ("contiguous", "channels_last", "noncontiguous", "expanded_batch", "expanded_spatial")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRecipe:
+    """How to build one tensor argument from the snippet's generator ``g``.
+
+    ``layout``: ``contiguous``; ``channels_last`` (``channels_last_3d`` for 5-D); ``noncontiguous``
+    (every other element of a twice-as-wide last dim); ``expanded_batch`` / ``expanded_spatial``
+    (a stride-0 broadcast over the batch / the spatial dims).
+    """
+
+    shape: tuple[int, ...]
+    layout: str = "contiguous"
+
+    def source(self, name: str, dtype: torch.dtype, device: str) -> str:
+        shape = list(self.shape)
+        base = shape
+        suffix = ""
+        if self.layout == "noncontiguous":
+            base = [*shape[:-1], 2 * shape[-1]]
+            suffix = "[..., ::2]"
+        elif self.layout == "expanded_batch":
+            base = [1, *shape[1:]]
+            suffix = f".expand({shape})"
+        elif self.layout == "expanded_spatial":
+            base = [*shape[:2], *[1] * (len(shape) - 2)]
+            suffix = f".expand({shape})"
+        elif self.layout == "channels_last":
+            fmt = "channels_last" if len(shape) == 4 else "channels_last_3d"
+            suffix = f".contiguous(memory_format=torch.{fmt})"
+        return (
+            f"{name} = torch.randn({base}, generator=g, dtype=torch.float64)"
+            f".to(device={device!r}, dtype={dtype}){suffix}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvolutionBackwardCase:
+    """One valid call of ``aten::convolution_backward``, with its tensors' recipes."""
+
+    grad_output: TensorRecipe
+    input: TensorRecipe
+    weight: TensorRecipe
+    bias_sizes: list[int] | None
+    stride: list[int]
+    padding: list[int]
+    dilation: list[int]
+    transposed: bool
+    output_padding: list[int]
+    groups: int
+    output_mask: list[bool]
+    dtype: torch.dtype
+    device: str
+    seed: int
+
+    def _call_args(self) -> str:
+        return (
+            f"grad_output, input, weight, {self.bias_sizes}, {self.stride}, {self.padding}, "
+            f"{self.dilation}, {self.transposed}, {self.output_padding}, {self.groups}, {self.output_mask}"
+        )
+
+    def setup_source(self) -> str:
+        """Python source that builds ``grad_output``, ``input`` and ``weight``."""
+        return "\n".join(
+            [
+                f"g = torch.Generator().manual_seed({self.seed})",
+                self.grad_output.source("grad_output", self.dtype, self.device),
+                self.input.source("input", self.dtype, self.device),
+                self.weight.source("weight", self.dtype, self.device),
+            ]
+        )
+
+    def aten_args(self) -> tuple:
+        """The arguments of ``torch.ops.aten.convolution_backward.default``, built by running
+        :meth:`setup_source`."""
+        namespace: dict = {"torch": torch}
+        exec(compile(self.setup_source(), "<aten_override.testing.fuzz reproduction>", "exec"), namespace)
+        return (
+            namespace["grad_output"], namespace["input"], namespace["weight"], self.bias_sizes,
+            self.stride, self.padding, self.dilation, self.transposed, self.output_padding,
+            self.groups, self.output_mask,
+        )
+
+    def reproduction(self, backend: Implementation) -> str:
+        """A copy-pasteable snippet comparing ``backend`` with the original kernel on this call."""
+        spec = getattr(backend, "spec", None)  # set by selection.backend_from_spec
+        enable_import = ""
+        if backend.name in {b.value for b in Backend}:
+            enable_arg = repr(backend.name)
+        elif spec and ":" in spec:
+            module, _, fn = spec.partition(":")
+            enable_import, enable_arg = f"from {module} import {fn}\n", fn
+        else:
+            enable_arg = f"<your backend {backend.name}>"
+        device_type = torch.device(self.device).type
+        return (
+            "import torch\nimport aten_override\n" + enable_import + "\n" + self.setup_source() + "\n"
+            + textwrap.dedent(
+                f"""
+                args = ({self._call_args()})
+                expected = aten_override.original_kernel({device_type!r})(*args)
+                with aten_override.enable({enable_arg}):
+                    actual = torch.ops.aten.convolution_backward.default(*args)
+                for name, wanted, a, e in zip(("grad_input", "grad_weight", "grad_bias"), args[-1], actual, expected):
+                    if wanted:
+                        diff = (a.double() - e.double()).abs().max().item() if e.numel() else 0.0
+                        print(f"{{name}}: expected {{e.dtype}} {{list(e.shape)}} strides {{e.stride()}}; "
+                              f"got {{a.dtype}} {{list(a.shape)}} strides {{a.stride()}}; max abs diff {{diff:.3g}}")
+                """
+            )
+        )
+
+
+def _draw_layout(draw, dims: int, allowed: Sequence[str]) -> str:
+    layouts = [l for l in allowed if l != "channels_last" or dims in (2, 3)]
+    return draw(st.sampled_from(layouts))
+
+
+@st.composite
+def convolution_backward_cases(draw, device: str = "cpu", dtypes: Sequence[torch.dtype] = _DTYPES):
+    """A :class:`ConvolutionBackwardCase` strategy: random valid calls on ``device``."""
+    dims = draw(st.integers(1, 3))
+    transposed = draw(st.booleans())
+    groups = draw(st.integers(1, 3))
+    c_in_per_group = draw(st.integers(1, 3))
+    c_out_per_group = draw(st.integers(1, 3))
+    batch = draw(st.sampled_from([1, 2, 3, 0]))  # 0 (upstream's Empty backend) rarely and last
+    max_size = {1: 7, 2: 5, 3: 4}[dims]
+    kernel, stride, padding, dilation, output_padding, spatial_in = [], [], [], [], [], []
+    for _ in range(dims):
+        k = draw(st.integers(1, 3))
+        s = draw(st.integers(1, 3))
+        d = draw(st.integers(1, 3))
+        p = draw(st.integers(0, 2))
+        extent = d * (k - 1) + 1  # the dilated kernel
+        if transposed:
+            op = draw(st.integers(0, max(s, d) - 1))
+            # output size (i-1)s - 2p + extent + op must be >= 1
+            lo = max(1, 1 + -(-(2 * p - extent - op + 1) // s))
+            size = draw(st.integers(lo, max(lo, max_size)))
+        else:
+            op = 0
+            lo = max(1, extent - 2 * p)
+            size = draw(st.integers(lo, max(lo, max_size)))
+        kernel.append(k), stride.append(s), padding.append(p), dilation.append(d)
+        output_padding.append(op), spatial_in.append(size)
+    c_in, c_out = groups * c_in_per_group, groups * c_out_per_group
+    if transposed:
+        weight_shape = (c_in, c_out_per_group, *kernel)
+        spatial_out = [
+            (i - 1) * s - 2 * p + d * (k - 1) + op + 1
+            for i, k, s, p, d, op in zip(spatial_in, kernel, stride, padding, dilation, output_padding)
+        ]
+    else:
+        weight_shape = (c_out, c_in_per_group, *kernel)
+        spatial_out = [
+            (i + 2 * p - d * (k - 1) - 1) // s + 1 for i, k, s, p, d in zip(spatial_in, kernel, stride, padding, dilation)
+        ]
+    output_mask = [draw(st.booleans()) for _ in range(3)]
+    # Upstream's Empty backend aborts the process on bias_sizes=None with output_mask[2].
+    may_omit_bias = not (batch == 0 and output_mask[2])
+    bias_sizes = None if may_omit_bias and draw(st.booleans()) else [c_out]
+    dtype = draw(st.sampled_from(list(dtypes)))
+    crash = native_crash_reason(
+        device_type=torch.device(device).type, dtype=dtype, transposed=transposed, spatial_dims=dims,
+        output_mask=output_mask, padding=padding, dilation=dilation,
+    )
+    if crash is not None:  # rare: the reference would kill the process; draw the call in float32
+        dtype = torch.float32
+    return ConvolutionBackwardCase(
+        grad_output=TensorRecipe((batch, c_out, *spatial_out), _draw_layout(draw, dims, _LAYOUTS)),
+        input=TensorRecipe((batch, c_in, *spatial_in), _draw_layout(draw, dims, _LAYOUTS[:3])),
+        weight=TensorRecipe(weight_shape, _draw_layout(draw, dims, _LAYOUTS[:3])),
+        bias_sizes=bias_sizes,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        transposed=transposed,
+        output_padding=output_padding,
+        groups=groups,
+        output_mask=output_mask,
+        dtype=dtype,
+        device=device,
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )

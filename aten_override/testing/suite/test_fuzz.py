@@ -1,0 +1,50 @@
+r"""Differential fuzzing: random valid ``convolution_backward`` calls, each backend against the
+original kernel (values against float64, dtypes, shapes, strides). See
+:mod:`aten_override.testing.fuzz`; a failure prints a shrunk, copy-pasteable reproduction.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, note
+
+from aten_override.testing._upstream import TestCase, instantiate_device_type_tests, parametrize
+from aten_override.testing.comparison import (
+    call_backend,
+    call_native,
+    check_against_native,
+    expected_server,
+    float64_reference,
+    served_by,
+)
+from aten_override.testing.fuzz import convolution_backward_cases, fuzz_settings
+from aten_override.testing.selection import backends_under_test, test_name
+
+BACKENDS = backends_under_test()
+backend_parametrize = parametrize("backend", BACKENDS, name_fn=test_name)
+
+
+class TestConvolutionBackwardFuzz(TestCase):
+    @backend_parametrize
+    def test_matches_native(self, device, backend):
+        @fuzz_settings()
+        @given(case=convolution_backward_cases(device))
+        def check(case):
+            note("Reproduction:\n" + case.reproduction(backend))
+            aten_args = case.aten_args()
+            server, _ = expected_server(backend, aten_args)
+            native = call_native(aten_args)
+            reference = None if case.dtype == torch.float64 else float64_reference(aten_args)
+            with served_by(backend, {server: 1}):
+                actual = call_backend(backend, aten_args)
+            check_against_native(actual, native, reference, output_mask=case.output_mask)
+
+        check()
+
+
+instantiate_device_type_tests(TestConvolutionBackwardFuzz, globals())
+
+if __name__ == "__main__":
+    from aten_override.testing._upstream import run_tests
+
+    run_tests()

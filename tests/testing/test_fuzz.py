@@ -1,0 +1,53 @@
+"""aten_override.testing.fuzz: drawn cases are valid, and a reproduction reruns the case."""
+
+import contextlib
+import io
+
+import torch
+from hypothesis import given, settings
+
+from aten_override.testing.comparison import call_native
+from aten_override.testing.fuzz import ConvolutionBackwardCase, TensorRecipe, convolution_backward_cases
+from aten_override.testing.selection import backend_from_spec
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(case=convolution_backward_cases())
+def test_drawn_cases_are_valid_calls(case):
+    outputs = call_native(case.aten_args())  # raises for an invalid configuration
+    for wanted, t, shape in zip(case.output_mask, outputs, (case.input.shape, case.weight.shape, None)):
+        if wanted and shape is not None:
+            assert tuple(t.shape) == shape
+
+
+def test_reproduction_rebuilds_the_same_tensors_and_reports_the_difference():
+    case = ConvolutionBackwardCase(
+        grad_output=TensorRecipe((1, 1, 1, 1, 1)), input=TensorRecipe((1, 2, 2, 1, 1)),
+        weight=TensorRecipe((1, 2, 2, 1, 1), "channels_last"), bias_sizes=[1], stride=[1, 1, 1],
+        padding=[0, 0, 0], dilation=[1, 1, 1], transposed=False, output_padding=[0, 0, 0], groups=1,
+        output_mask=[False, True, False], dtype=torch.bfloat16, device="cpu", seed=0,
+    )
+    backend = backend_from_spec("aten_override.testing.example_backends:wrong_strides")
+    source = case.reproduction(backend)
+    assert "torch.ops.aten.convolution_backward.default(*args)" in source
+    assert "from aten_override.testing.example_backends import wrong_strides" in source
+    namespace = {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(source, namespace)
+    for name, t in zip(("grad_output", "input", "weight"), case.aten_args()):
+        assert torch.equal(namespace[name], t) and namespace[name].stride() == t.stride()
+    assert "grad_weight: expected torch.bfloat16 [1, 2, 2, 1, 1] strides (4, 1, 2, 2, 2); got" in out.getvalue()
+    assert "strides (4, 2, 1, 1, 1)" in out.getvalue()
+
+
+def test_layouts():
+    def build(layout, shape=(2, 3, 4, 5)):
+        ns = {"torch": torch}
+        exec(TensorRecipe(shape, layout).source("t", torch.float32, "cpu").replace("generator=g", "generator=torch.Generator()"), ns)
+        return ns["t"]
+
+    assert build("channels_last").is_contiguous(memory_format=torch.channels_last)
+    assert build("noncontiguous").stride()[-1] == 2
+    assert build("expanded_batch").stride()[0] == 0
+    assert build("expanded_spatial").stride()[2:] == (0, 0)
