@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import original_kernel, reset_stats, stats as backend_stats
-from ..backends import Implementation
+from ..backends import ATEN_IMPL, Implementation
 from ..context import enable
 from ..ops.convolution_backward.args import ConvolutionBackwardArgs
 from .skips import SKIPS
@@ -112,11 +112,13 @@ def significant_strides(t: torch.Tensor) -> tuple[tuple[int, int], ...]:
 
 def check_against_native(
     actual: Sequence, native: Sequence, reference: Sequence | None = None, *,
-    output_mask: Sequence[bool] = (True, True, True), where: str = "",
+    output_mask: Sequence[bool] = (True, True, True), where: str = "", masked_must_be_none: bool = True,
 ) -> None:
     """Assert ``actual`` (a backend's 3 outputs) matches ``native`` (the original kernel's) as the
     module docstring describes. ``reference`` is :func:`float64_reference`'s result; ``None`` when
-    the call was float64 already.
+    the call was float64 already. Masked-out outputs must be ``None`` unless
+    ``masked_must_be_none`` is False (for the original kernel itself: its oneDNN path returns a
+    ``grad_weight`` for ``output_mask=[*, False, True]``).
 
     Raises:
         AssertionError: naming the output (``grad_weight``), what differs and ``where``.
@@ -127,6 +129,8 @@ def check_against_native(
     for name, wanted, a, n, r in zip(OUTPUT_NAMES, output_mask, actual, native, reference):
         prefix = f"{where}{': ' if where else ''}{name}"
         if not wanted:
+            if masked_must_be_none and a is not None:
+                raise AssertionError(f"{prefix}: output_mask leaves it out, so it must be None, got a tensor")
             continue
         if not isinstance(a, torch.Tensor):
             raise AssertionError(f"{prefix}: output_mask asks for it, got {a!r:.80}")
@@ -154,3 +158,16 @@ def check_against_native(
             msg=lambda m: f"{prefix}: {m}\n(bound: 2 x original kernel's error {native_error:.3g} vs float64 "
             f"+ rtol x scale {scale:.3g}; dtype {a.dtype})",
         )
+
+
+def compare_with_native(impl: Implementation, aten_args: Sequence, *, where: str = "") -> None:
+    """Run ``aten_args`` through ``impl`` and through the original kernel and assert they agree
+    (:func:`check_against_native`, float64 reference for reduced precision)."""
+    server, _ = expected_server(impl, aten_args)
+    actual = call_backend(impl, aten_args)
+    native = call_native(aten_args)
+    reference = None if aten_args[0].dtype == torch.float64 else float64_reference(aten_args)
+    check_against_native(
+        actual, native, reference, output_mask=aten_args[-1], where=where,
+        masked_must_be_none=server != ATEN_IMPL.name,
+    )

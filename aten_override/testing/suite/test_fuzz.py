@@ -5,18 +5,10 @@ original kernel (values against float64, dtypes, shapes, strides). See
 
 from __future__ import annotations
 
-import torch
 from hypothesis import given, note
 
 from aten_override.testing._upstream import TestCase, instantiate_device_type_tests, parametrize
-from aten_override.testing.comparison import (
-    call_backend,
-    call_native,
-    check_against_native,
-    expected_server,
-    float64_reference,
-    served_by,
-)
+from aten_override.testing.comparison import compare_with_native, expected_server, served_by
 from aten_override.testing.fuzz import convolution_backward_cases, fuzz_settings
 from aten_override.testing.selection import backends_under_test, test_name
 
@@ -33,11 +25,8 @@ class TestConvolutionBackwardFuzz(TestCase):
             note("Reproduction:\n" + case.reproduction(backend))
             aten_args = case.aten_args()
             server, _ = expected_server(backend, aten_args)
-            native = call_native(aten_args)
-            reference = None if case.dtype == torch.float64 else float64_reference(aten_args)
             with served_by(backend, {server: 1}):
-                actual = call_backend(backend, aten_args)
-            check_against_native(actual, native, reference, output_mask=case.output_mask)
+                compare_with_native(backend, aten_args)
 
         check()
 

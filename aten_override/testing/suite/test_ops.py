@@ -13,14 +13,7 @@ import torch
 from aten_override import active_backend
 from aten_override.backends import ATEN_IMPL
 from aten_override.testing._upstream import OpDTypes, TestCase, instantiate_device_type_tests, ops, parametrize
-from aten_override.testing.comparison import (
-    call_backend,
-    call_native,
-    check_against_native,
-    expected_server,
-    float64_reference,
-    served_by,
-)
+from aten_override.testing.comparison import call_backend, compare_with_native, expected_server, served_by
 from aten_override.testing.opinfo import op_db
 from aten_override.testing.selection import backends_under_test, test_name
 from aten_override.testing.skips import SKIPS
@@ -48,10 +41,7 @@ class TestConvolutionBackward(TestCase):
             for sample in samples:
                 aten_args = (sample.input, *sample.args)
                 before = [t.clone() for t in aten_args[:3]]
-                actual = call_backend(backend, aten_args)
-                native = call_native(aten_args)
-                reference = None if dtype == torch.float64 else float64_reference(aten_args)
-                check_against_native(actual, native, reference, output_mask=sample.args[-1], where=sample.name)
+                compare_with_native(backend, aten_args, where=sample.name)
                 for name, b, t in zip(("grad_output", "input", "weight"), before, aten_args):
                     self.assertTrue(torch.equal(b, t), msg=f"{sample.name}: {name} was mutated")
 
