@@ -248,10 +248,11 @@ def test_fallback_recorded():
     assert aten_override.stats()["fallback"] == 1
 
 
-def test_record_fields(monkeypatch):
-    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+def test_record_fields():
+    # The flags() context manager: torch.testing._internal (imported by the test bed) forbids
+    # setting torch.backends flags directly for the rest of the process.
     model, x = make_net()
-    with aten_override.trace() as t:
+    with torch.backends.mkldnn.flags(enabled=False), aten_override.trace() as t:
         model(x).sum().backward()
     call = t.calls[2]
     assert call.id == 3 and call.thread == threading.current_thread().name and call.thread_id == threading.get_ident()
