@@ -136,14 +136,42 @@ def _route(keyset, aten_args: tuple, impl: Implementation):
     return result, decision
 
 
+_reentry = threading.local()
+
+
 def _kernel(keyset, *aten_args):
     impl = _state.active
     if impl is None:  # popped between the dispatcher's lookup and this call
         impl = ATEN_IMPL
+    if getattr(_reentry, "depth", 0):
+        # A backend called aten::convolution_backward itself (e.g. a user function delegating to
+        # torch.ops.aten.convolution_backward, or torch.nn.grad): serve that inner call with the
+        # original kernel instead of recursing into the backend.
+        impl = _REENTRANT
+    _reentry.depth = getattr(_reentry, "depth", 0) + 1
+    try:
+        return _observe_and_route(keyset, aten_args, impl)
+    finally:
+        _reentry.depth -= 1
+
+
+def _observe_and_route(keyset, aten_args, impl):
     observer = _state.observer
     if observer is not None:
         return observer(keyset, aten_args, impl, _route)[0]
     return _route(keyset, aten_args, impl)[0]
+
+
+class _Reentrant(Implementation):
+    """Serves calls a backend makes from inside a backend: always the original kernel."""
+
+    name = "reentrant"
+
+    def select(self, args):
+        return ATEN_IMPL, "called from inside a backend: served by the original kernel (no recursion)"
+
+
+_REENTRANT = _Reentrant()
 
 
 def _count(decision: Decision) -> None:
@@ -286,7 +314,9 @@ def original_kernel(device_type: str = "cpu") -> Callable:
     """The original ``aten::convolution_backward`` kernel of ``device_type``'s dispatch key, callable
     with the aten arguments. Captured before we register; when nothing is registered it is captured
     now."""
-    key = "CUDA" if device_type == "cuda" else "CPU"
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"aten_override: original_kernel() serves the CPU and CUDA dispatch keys, got device_type={device_type!r}")
+    key = device_type.upper()
     with _state.lock:
         kernel = _state.originals.get(key) if _state.library is not None else get_kernel(OP, key)
     keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))

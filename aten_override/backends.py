@@ -132,26 +132,32 @@ class FunctionBackend(Implementation):
 
 
 def _check_result(args: ConvolutionBackwardArgs, result, backend: str) -> None:
-    """Raise ``RuntimeError`` if a backend's result breaks the schema's contract."""
+    """Raise ``RuntimeError`` if a backend's result breaks the schema's contract: the ``None``
+    pattern of ``output_mask``, shapes (``grad_bias``: ``(C_out,)``, or ``bias_sizes`` for an empty
+    batch), dtype and device."""
     if not isinstance(result, (tuple, list)) or len(result) != 3:
         raise RuntimeError(
             f"convolution_backward[{backend}]: expected a tuple (grad_input, grad_weight, grad_bias), got {type(result).__name__}"
         )
-    expected = (args.input.shape, args.weight.shape, None)
-    for i, (name, t, shape) in enumerate(zip(("grad_input", "grad_weight", "grad_bias"), result, expected)):
-        wanted = bool(args.output_mask[i])
-        if not wanted:
+    c_out = args.grad_output.size(1)
+    bias_shapes = [[c_out]]
+    if args.bias_sizes is not None:
+        bias_shapes.append([int(s) for s in args.bias_sizes])
+    expected = ([list(args.input.shape)], [list(args.weight.shape)], bias_shapes)
+    for i, (name, t, shapes) in enumerate(zip(("grad_input", "grad_weight", "grad_bias"), result, expected)):
+        where = f"convolution_backward[{backend}]: {name}"
+        if not args.output_mask[i]:
             if t is not None:
-                raise RuntimeError(f"convolution_backward[{backend}]: {name} must be None when output_mask[{i}] is False")
+                raise RuntimeError(f"{where} must be None when output_mask[{i}] is False")
             continue
         if not isinstance(t, torch.Tensor):
-            raise RuntimeError(f"convolution_backward[{backend}]: {name} is {type(t).__name__}, expected a Tensor")
-        if shape is not None and t.shape != shape:
-            raise RuntimeError(
-                f"convolution_backward[{backend}]: {name} has shape {list(t.shape)}, expected {list(shape)}"
-            )
+            raise RuntimeError(f"{where} is {type(t).__name__}, expected a Tensor")
+        if list(t.shape) not in shapes:
+            raise RuntimeError(f"{where} has shape {list(t.shape)}, expected {' or '.join(map(str, shapes))}")
         if t.dtype != args.input.dtype:
-            raise RuntimeError(f"convolution_backward[{backend}]: {name} has dtype {t.dtype}, expected {args.input.dtype}")
+            raise RuntimeError(f"{where} has dtype {t.dtype}, expected {args.input.dtype}")
+        if t.device != args.grad_output.device:
+            raise RuntimeError(f"{where} is on {t.device}, expected {args.grad_output.device}")
 
 
 ATEN_IMPL = _Aten()

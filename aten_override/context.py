@@ -7,7 +7,6 @@ Modelled on ``torch.nn.attention.sdpa_kernel``: saves the previous state, restor
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 
 from . import _registration
@@ -52,17 +51,23 @@ class enable(contextlib.ContextDecorator):
 
     def __init__(self, backend: BackendLike = "auto"):
         self.impl = implementation(backend)
-        self._tokens = threading.local()
+        # Tokens of one enable object are interchangeable (they push the same backend), so a plain
+        # list works across threads: entered in one thread, left in another, or used as a decorator
+        # concurrently. list.append / list.pop are atomic under the GIL.
+        self._tokens: list[int] = []
 
     def __enter__(self):
         for reason in bypass_reasons():
             warnings.warn(f"aten_override.enable({self.impl.name!r}): {reason}", stacklevel=2)
-        stack = self._tokens.__dict__.setdefault("stack", [])
-        stack.append(_registration.push(self.impl))
+        self._tokens.append(_registration.push(self.impl))
         return self
 
     def __exit__(self, *exc) -> None:
-        _registration.pop(self._tokens.stack.pop())
+        try:
+            token = self._tokens.pop()
+        except IndexError:
+            raise RuntimeError(f"{self!r} exited more often than entered") from None
+        _registration.pop(token)
 
     def __repr__(self) -> str:
         return f"aten_override.enable({self.impl.name!r})"

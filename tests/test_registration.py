@@ -178,3 +178,66 @@ def test_interpreter_exit_while_enabled_is_clean():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
     assert "Traceback" not in out.stderr and "Abort" not in out.stderr
+
+
+def _direct_args():
+    return (torch.randn(2, 6, 6, 6), torch.randn(2, 4, 8, 8), torch.randn(6, 4, 3, 3), [6], [1], [0], [1],
+            False, [0], 1, [True, True, True])
+
+
+@pytest.mark.parametrize(
+    "breakage,message",
+    [
+        (lambda gi, gw, gb: (gi, gw, torch.zeros(7, 7)), r"grad_bias has shape \[7, 7\], expected \[6\]"),
+        (lambda gi, gw, gb: (gi, gw.double(), gb), r"grad_weight has dtype torch.float64, expected torch.float32"),
+        (lambda gi, gw, gb: (gi[:1], gw, gb), r"grad_input has shape \[1, 4, 8, 8\], expected \[2, 4, 8, 8\]"),
+        (lambda gi, gw, gb: (gi, gw), r"expected a tuple \(grad_input, grad_weight, grad_bias\)"),
+        (lambda gi, gw, gb: (gi, gw, gb.tolist()), r"grad_bias is list, expected a Tensor"),
+    ],
+    ids=["grad_bias-shape", "dtype", "grad_input-shape", "two-outputs", "not-a-tensor"],
+)
+def test_custom_backend_results_are_checked(breakage, message):
+    original = aten_override.original_kernel("cpu")
+
+    def broken(*args):
+        return breakage(*original(*args))
+
+    with aten_override.enable(broken):
+        with pytest.raises(RuntimeError, match=rf"convolution_backward\[broken\]: .*{message}"):
+            torch.ops.aten.convolution_backward.default(*_direct_args())
+
+
+def test_backend_calling_the_op_itself_gets_the_original_kernel_not_recursion():
+    """A user backend that delegates to torch.ops.aten.convolution_backward (or torch.nn.grad) would
+    re-enter itself forever; the inner call is served by the original kernel, recorded as such."""
+
+    def delegating(*args):
+        return torch.ops.aten.convolution_backward.default(*args)
+
+    args = _direct_args()
+    native = torch.ops.aten.convolution_backward.default(*args)
+    with aten_override.enable(delegating):
+        ours = torch.ops.aten.convolution_backward.default(*args)
+    for a, b in zip(ours, native):
+        assert torch.equal(a, b)
+    stats = aten_override.stats()
+    assert stats["delegating"] == 1 and stats["aten"] == 1 and stats["fallback"] == 1, stats
+    assert any("called from inside a backend" in r for r in stats["fallback_reasons"]), stats
+
+
+def test_enable_entered_in_one_thread_can_be_left_in_another():
+    ctx = aten_override.enable("python")
+    ctx.__enter__()
+    errors = []
+    t = threading.Thread(target=lambda: errors.extend([None]) or ctx.__exit__(None, None, None))
+    t.start()
+    t.join()
+    assert errors == [None]
+    assert aten_override.active_backend() is None and not aten_override.is_registered()
+    with pytest.raises(RuntimeError, match="exited more often than entered"):
+        ctx.__exit__(None, None, None)
+
+
+def test_original_kernel_rejects_other_device_types():
+    with pytest.raises(ValueError, match="CPU and CUDA dispatch keys, got device_type='meta'"):
+        aten_override.original_kernel("meta")

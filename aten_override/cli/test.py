@@ -19,6 +19,8 @@ import collections
 import os
 import re
 
+from . import positive_int
+
 HELP = "run the shipped op test suite against a backend (or your own, as module:function)"
 
 _SUITE_TESTS = ("test_matches_native", "test_errors", "test_fn_grad", "test_fn_gradgrad",
@@ -32,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: every available backend, aten as the control)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), help="only this device (default: cpu, and cuda when present)")
-    parser.add_argument("--fuzz", type=int, metavar="N", help="run only the differential fuzzer, N examples per backend and device")
+    parser.add_argument("--fuzz", type=positive_int, metavar="N", help="run only the differential fuzzer, N examples per backend and device")
     parser.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k expression selecting tests")
     parser.add_argument("--slow", action="store_true", help="include the tests marked slow (float16/bfloat16 samples, gradgradcheck)")
     parser.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")

@@ -329,9 +329,14 @@ Result empty_backward(const Args& a, const Expanded& e) {
   return {gi, gw, gb};
 }
 
-// Upstream's memory format of grad_input / grad_weight: _determine_backend_memory_format of the
-// backend select_conv_backend picks; 1-D layers are computed as 2-D on contiguous input.unsqueeze(2).
-at::MemoryFormat output_memory_format(const Args& a) {
+// Upstream's layout of grad_input / grad_weight: _determine_backend_memory_format of the backend
+// select_conv_backend picks; 1-D layers are computed as 2-D on contiguous input.unsqueeze(2).
+struct OutputLayout {
+  at::MemoryFormat fmt;
+  at::native::ConvBackend backend;
+};
+
+OutputLayout output_layout(const Args& a) {
   c10::AutoGradMode grad_mode(true);  // need_backward, as at::native::convolution_backward sees it
   const auto backend = at::native::select_conv_backend(
       a.input, a.weight, std::nullopt, c10::fromIntArrayRefSlow(a.stride), c10::fromIntArrayRefSlow(a.padding),
@@ -342,17 +347,31 @@ at::MemoryFormat output_memory_format(const Args& a) {
     // Only the strides of input.contiguous() matter; a fresh contiguous tensor of its sizes has them
     // (and works for stride-0 placeholders without materialising them).
     const at::Tensor x = a.input.is_contiguous() ? a.input : at::empty(a.input.sizes(), a.input.options());
-    return at::native::_determine_backend_memory_format(x.unsqueeze(2), a.weight.unsqueeze(2), backend);
+    return {at::native::_determine_backend_memory_format(x.unsqueeze(2), a.weight.unsqueeze(2), backend), backend};
   }
-  return at::native::_determine_backend_memory_format(a.input, a.weight, backend);
+  return {at::native::_determine_backend_memory_format(a.input, a.weight, backend), backend};
 }
 
-// An uninitialised tensor with upstream's strides; 1-D outputs are allocated 4-D and squeezed.
+// An uninitialised grad_input with upstream's strides; 1-D outputs are allocated 4-D and squeezed.
 at::Tensor empty_like_native(at::IntArrayRef sizes, const at::TensorOptions& options, at::MemoryFormat fmt) {
   if (sizes.size() == 3) {
     return at::empty({sizes[0], sizes[1], 1, sizes[2]}, options.memory_format(fmt)).squeeze(2);
   }
   return at::empty(sizes, options.memory_format(fmt));
+}
+
+// An uninitialised grad_weight with upstream's strides. The THNN Slow2d / SlowTranspose2d paths
+// allocate empty_like(weight.contiguous(fmt)): where the layout is ambiguous (a size-1 channel or
+// kernel dim) weight's own strides survive. Mirrors args.empty_like_native.
+at::Tensor empty_like_native_weight(const at::Tensor& weight, const OutputLayout& layout) {
+  const bool one_d = weight.dim() == 3;
+  const at::Tensor w = one_d ? weight.unsqueeze(2) : weight;
+  const bool preserving = layout.backend == at::native::ConvBackend::Slow2d ||
+      layout.backend == at::native::ConvBackend::SlowTranspose2d;
+  at::Tensor out = preserving && w.is_contiguous(layout.fmt)
+      ? at::empty_strided(w.sizes(), w.strides(), w.options())
+      : at::empty(w.sizes(), w.options().memory_format(layout.fmt));
+  return one_d ? out.squeeze(2) : out;
 }
 
 DirectProblem direct_problem(const Args& a, const Expanded& e) {
@@ -387,19 +406,19 @@ at::Tensor compute_into(at::Tensor out, F compute) {
 }
 
 Result direct_backward(const Args& a, const Expanded& e) {
-  const auto fmt = output_memory_format(a);
+  const OutputLayout layout = output_layout(a);
   const DirectProblem p = direct_problem(a, e);
   const at::Tensor go = a.grad_output.contiguous();
   at::Tensor gi, gw, gb;
   if (a.output_mask[0]) {
     const at::Tensor w = a.weight.contiguous();
-    gi = compute_into(empty_like_native(a.input.sizes(), a.input.options(), fmt), [&](at::Tensor& out) {
+    gi = compute_into(empty_like_native(a.input.sizes(), a.input.options(), layout.fmt), [&](at::Tensor& out) {
       direct_grad_input_cpu(p, go, w, out);
     });
   }
   if (a.output_mask[1]) {
     const at::Tensor x = a.input.contiguous();
-    gw = compute_into(empty_like_native(a.weight.sizes(), a.weight.options(), fmt), [&](at::Tensor& out) {
+    gw = compute_into(empty_like_native_weight(a.weight, layout), [&](at::Tensor& out) {
       direct_grad_weight_cpu(p, go, x, out);
     });
   }

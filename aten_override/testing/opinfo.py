@@ -121,6 +121,9 @@ def sample_inputs_convolution_backward(op_info, device, dtype, requires_grad=Fal
             last = (desc, grad_output, args, out)
             for mask in (OUTPUT_MASKS[0], other):
                 yield _sample(desc, grad_output, args, out, mask)
+            if x.dim() in (4, 5):  # upstream's output strides follow input's memory format
+                fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+                yield _sample(f"{desc},channels_last", grad_output, (x.contiguous(memory_format=fmt), *args[1:]), out, OUTPUT_MASKS[0])
     for mask in uncovered:  # fewer distinct calls than masks: the last call takes the rest
         yield _sample(*last, mask)
 

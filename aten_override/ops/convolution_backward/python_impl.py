@@ -35,7 +35,8 @@ __all__ = ["convolution_backward", "unsupported_reason", "NAME"]
 
 NAME = "python"
 
-# Elements of one im2col chunk (float32: 256 MiB). Bounds the workspace of grad_weight.
+# Elements of one im2col chunk (float32: 256 MiB). The chunk's view is copied once by reshape and
+# once more by the permute into (G, N*Y, C*K), so grad_weight's workspace is about twice this.
 _IM2COL_CHUNK_ELEMENTS = 1 << 26
 
 _EMPTY_BACKENDS = {torch._C._ConvBackend.Empty, torch._C._ConvBackend.MkldnnEmpty}
