@@ -28,7 +28,7 @@ HELP = "train a small CNN on scikit-learn's digits natively and with a backend, 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--backend", default="python", help="backend to compare with native (default: python)")
-    parser.add_argument("--epochs", type=positive_int, default=3, help="training epochs (default: 3)")
+    parser.add_argument("--epochs", type=positive_int, default=10, help="training epochs (default: 10)")
     parser.add_argument("--batch-size", type=positive_int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
