@@ -20,7 +20,6 @@ the dispatcher.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import torch
@@ -311,7 +310,3 @@ def empty_like_native(
     else:
         out = torch.empty(t.shape, dtype=dtype, device=t.device, memory_format=memory_format)
     return out.squeeze(2) if one_d else out
-
-
-def numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)

@@ -20,6 +20,8 @@ strides (:func:`args.output_memory_format`); masked-out outputs are ``None`` and
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .args import (
@@ -102,12 +104,7 @@ def _weight_contraction(
     go_channels = go.size(1)
     c, o = gc // groups, go_channels // groups
     spatial_y = list(go.shape[2:])
-    kk = 1
-    for k in kernel:
-        kk *= k
-    yy = 1
-    for y in spatial_y:
-        yy *= y
+    kk, yy = math.prod(kernel), math.prod(spatial_y)
     out = torch.zeros(groups, o, c * kk, dtype=go.dtype, device=go.device)
     if n == 0 or c == 0 or o == 0:
         return out.view(groups * o, c, *kernel)
