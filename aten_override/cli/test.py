@@ -6,6 +6,7 @@ r"""``test``: run the shipped test suite against a backend, yours included.
     python -m aten_override test --backend python --device cpu -k conv2d
     python -m aten_override test --backend my_pkg.conv:backward   # your function, aten signature
     python -m aten_override test --fuzz 5000              # only the fuzzer, 5000 examples
+    python -m aten_override test --fuzz 5000 --seed 7     # the same 5000 examples every run
 
 Runs :mod:`aten_override.testing.suite` (from wherever the package is installed) with
 ``pytest.main`` and ends with a table per backend: passed / failed / skipped, and the skip
@@ -35,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), help="only this device (default: cpu, and cuda when present)")
     parser.add_argument("--fuzz", type=positive_int, metavar="N", help="run only the differential fuzzer, N examples per backend and device")
+    parser.add_argument(
+        "--seed", type=int, metavar="S",
+        help="hypothesis seed for --fuzz: the same examples on every run (default: new random examples each run)",
+    )
     parser.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k expression selecting tests")
     parser.add_argument("--slow", action="store_true", help="include the tests marked slow (float16/bfloat16 samples, gradgradcheck)")
     parser.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
@@ -155,6 +160,8 @@ def main(args) -> int:
         pytest_args += ["-k", args.keyword]
     if args.exitfirst:
         pytest_args.append("-x")
+    if args.seed is not None:
+        pytest_args.append(f"--hypothesis-seed={args.seed}")
     pytest_args += [a for a in args.pytest_args if a != "--"]
 
     summary = _Summary([i.name for i in impls])

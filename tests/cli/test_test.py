@@ -39,7 +39,9 @@ def test_wrong_backend_fails_with_a_summary(tmp_path):
 
 
 def test_wrong_strides_fail_the_fuzzer_with_a_reproduction(tmp_path):
-    result = _run_cli("--backend", "aten_override.testing.example_backends:wrong_strides", "--fuzz", "50", cwd=tmp_path)
+    # Seeded: about 1 random example in 7 has an output whose native strides are not contiguous,
+    # so an unseeded 50-example run misses the wrong strides now and then (CI once did).
+    result = _run_cli("--backend", "aten_override.testing.example_backends:wrong_strides", "--fuzz", "50", "--seed", "0", cwd=tmp_path)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Reproduction:" in result.stdout
     assert "torch.ops.aten.convolution_backward.default(*args)" in result.stdout
