@@ -106,6 +106,7 @@ _SIGINT_SCRIPT = textwrap.dedent("""
     aten_override.reset_stats()
     try:
         with aten_override.enable(backend):
+            conv(x).sum().backward()  # one served call before "ready": served>0 however loaded the machine
             print("ready", flush=True)
             while True:
                 conv(x).sum().backward()
@@ -126,7 +127,7 @@ def test_sigint_during_training_restores_dispatcher(backend):
     )
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
-        time.sleep(0.5)  # let several backward passes run
+        time.sleep(0.5)  # interrupt in the middle of later backward passes
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
