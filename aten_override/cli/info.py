@@ -6,7 +6,7 @@ import platform
 
 import torch
 
-HELP = "print versions and which backend serves which dispatch key (and why not)"
+HELP = "print versions, which backend serves which dispatch key (and why not), and the compiled CUDA kernels' state"
 
 
 def add_arguments(parser) -> None:
@@ -30,6 +30,11 @@ def main(args) -> int:
     print(f"{'backend':<{width}}  key   available  reason")
     for backend, key, ok, reason in rows:
         print(f"{backend:<{width}}  {key:<4}  {ok:<9}  {reason}")
+    from ..ops.convolution_backward import compiled
+
+    cuda = compiled.cuda_kernels()
+    note = "" if cuda == "enabled" else " (CUDA calls of the compiled backend run the original kernel)"
+    print(f"compiled CUDA kernels (depthwise class): {cuda}{note}")
     from ..tracing import current_flags
 
     # What upstream's backend choice depends on; read again at every backward call.

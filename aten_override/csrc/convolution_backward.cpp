@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -260,6 +261,45 @@ Expanded check_args(const Args& a) {
   return e;
 }
 
+// --- CUDA kernels (cuda/direct.cu) ---------------------------------------------------------------
+
+// Built with ATEN_OVERRIDE_WITH_CUDA (setup.py, when torch has CUDA). They have not run on hardware
+// yet, so they serve calls only when ATEN_OVERRIDE_CUDA_KERNELS=1 at import; otherwise CUDA calls go to
+// the original kernel with the reason recorded.
+enum class CudaKernels { NotBuilt, Disabled, Enabled };
+
+CudaKernels cuda_kernels() {
+#ifdef ATEN_OVERRIDE_WITH_CUDA
+  static const CudaKernels state = [] {
+    const char* value = std::getenv("ATEN_OVERRIDE_CUDA_KERNELS");
+    return value != nullptr && std::string(value) == "1" ? CudaKernels::Enabled : CudaKernels::Disabled;
+  }();
+  return state;
+#else
+  return CudaKernels::NotBuilt;
+#endif
+}
+
+const char* cuda_kernels_name() {
+  switch (cuda_kernels()) {
+    case CudaKernels::NotBuilt: return "not built";
+    case CudaKernels::Disabled: return "built, disabled";
+    case CudaKernels::Enabled: return "enabled";
+  }
+  TORCH_INTERNAL_ASSERT(false, "convolution_backward[compiled]: unhandled CUDA kernel state");
+}
+
+// Why CUDA calls go to the original kernel, or nullopt when the compiled backend serves them.
+std::optional<std::string> cuda_unsupported_reason() {
+  switch (cuda_kernels()) {
+    case CudaKernels::NotBuilt: return "no CUDA kernels in this build";
+    case CudaKernels::Disabled:
+      return "CUDA kernels built but not enabled (unverified on hardware; set ATEN_OVERRIDE_CUDA_KERNELS=1)";
+    case CudaKernels::Enabled: return std::nullopt;
+  }
+  TORCH_INTERNAL_ASSERT(false, "convolution_backward[compiled]: unhandled CUDA kernel state");
+}
+
 // Why the compiled backend hands this call to the original kernel, or nullopt when it serves it.
 std::optional<std::string> unsupported_reason(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w) {
   const auto dtype = go.scalar_type();
@@ -273,7 +313,7 @@ std::optional<std::string> unsupported_reason(const at::Tensor& go, const at::Te
     }
   }
   if (go.is_cuda()) {
-    return std::string("no CUDA kernels in this build");
+    return cuda_unsupported_reason();
   }
   if (!go.is_cpu()) {
     return c10::str("device ", go.device(), " is not supported");
@@ -392,6 +432,28 @@ DirectProblem direct_problem(const Args& a, const Expanded& e) {
   return p;
 }
 
+// Whether the direct kernel computes a call of a direct class (depthwise, grouped, one-channel) on its
+// device: always on CPU; on CUDA only the depthwise class, when the CUDA kernels are enabled (cuDNN
+// serves the other classes).
+bool direct_kernel_serves(LayerClass cls, const at::Tensor& grad_output) {
+  if (grad_output.is_cpu()) return true;
+  return grad_output.is_cuda() && cls == LayerClass::Depthwise && cuda_kernels() == CudaKernels::Enabled;
+}
+
+void direct_grad_input(const DirectProblem& p, const at::Tensor& go, const at::Tensor& w, at::Tensor& gi) {
+#ifdef ATEN_OVERRIDE_WITH_CUDA
+  if (gi.is_cuda()) return direct_grad_input_cuda(p, go, w, gi);
+#endif
+  direct_grad_input_cpu(p, go, w, gi);
+}
+
+void direct_grad_weight(const DirectProblem& p, const at::Tensor& go, const at::Tensor& x, at::Tensor& gw) {
+#ifdef ATEN_OVERRIDE_WITH_CUDA
+  if (gw.is_cuda()) return direct_grad_weight_cuda(p, go, x, gw);
+#endif
+  direct_grad_weight_cpu(p, go, x, gw);
+}
+
 // Runs `compute(out)` into `out` directly when it is contiguous, else into a contiguous buffer copied over.
 template <typename F>
 at::Tensor compute_into(at::Tensor out, F compute) {
@@ -413,13 +475,13 @@ Result direct_backward(const Args& a, const Expanded& e) {
   if (a.output_mask[0]) {
     const at::Tensor w = a.weight.contiguous();
     gi = compute_into(empty_like_native(a.input.sizes(), a.input.options(), layout.fmt), [&](at::Tensor& out) {
-      direct_grad_input_cpu(p, go, w, out);
+      direct_grad_input(p, go, w, out);
     });
   }
   if (a.output_mask[1]) {
     const at::Tensor x = a.input.contiguous();
     gw = compute_into(empty_like_native_weight(a.weight, layout), [&](at::Tensor& out) {
-      direct_grad_weight_cpu(p, go, x, out);
+      direct_grad_weight(p, go, x, out);
     });
   }
   if (a.output_mask[2]) gb = grad_bias(a.grad_output);
@@ -437,7 +499,8 @@ Result compiled_backward(const Args& a) {
     case LayerClass::Depthwise:
     case LayerClass::Grouped:
     case LayerClass::OneChannel:
-      return direct_backward(a, e);
+      if (direct_kernel_serves(cls, a.grad_output)) return direct_backward(a, e);
+      [[fallthrough]];  // CUDA: no kernel of ours for this class (or CUDA kernels disabled): native
     case LayerClass::SmallPlanes:
     case LayerClass::Dense:
     case LayerClass::Transposed:
@@ -563,7 +626,10 @@ py::list py_layer_classes() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace aten_override;
-  m.doc() = "aten_override's compiled backend of aten::convolution_backward (CPU kernels; CUDA routes to native)";
+  m.doc() =
+      "aten_override's compiled backend of aten::convolution_backward (CPU kernels; CUDA kernels for the depthwise "
+      "class when built and enabled, see cuda_kernels())";
+  cuda_kernels();  // reads ATEN_OVERRIDE_CUDA_KERNELS once, at import
   const char* args_doc =
       "(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, "
       "output_mask)";
@@ -574,6 +640,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_class", with_aten_args(layer_class_name), "The layer class (see layer_classes()) of a call, after checking its arguments.");
   m.def("unsupported_reason", &unsupported_reason,
         "unsupported_reason(grad_output, input, weight) -> why the call goes to the original kernel, or None.");
+  m.def("cuda_kernels", &cuda_kernels_name,
+        "The CUDA kernels (cuda/direct.cu, depthwise class): 'not built', 'built, disabled' (CUDA calls go to the "
+        "original kernel) or 'enabled' (ATEN_OVERRIDE_CUDA_KERNELS=1 at import).");
+  m.def("cuda_unsupported_reason", &cuda_unsupported_reason,
+        "Why CUDA calls go to the original kernel in this process, or None when the compiled backend serves them.");
   m.def("layer_classes", &py_layer_classes, "[(class, kernel, why)]: which kernel serves each layer class.");
   m.def("register_kernels", &register_kernels,
         "Register the C++ kernel at aten::convolution_backward's CPU and CUDA keys (idempotent). Only "

@@ -32,4 +32,13 @@ void direct_grad_input_cpu(
 void direct_grad_weight_cpu(
     const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, at::Tensor& grad_weight);
 
+// The CUDA kernels of the direct class (cuda/direct.cu; built only with ATEN_OVERRIDE_WITH_CUDA): the
+// same contract as the CPU ones, for CUDA tensors on one device. They run on the current stream of that
+// device, use no atomics (grad_weight reduces per-block partial sums in a fixed order), so results are
+// bitwise reproducible and need no torch.use_deterministic_algorithms alert.
+void direct_grad_input_cuda(
+    const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& weight, at::Tensor& grad_input);
+void direct_grad_weight_cuda(
+    const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, at::Tensor& grad_weight);
+
 }  // namespace aten_override

@@ -28,11 +28,23 @@ no-output-channels   native   ``C_out == 0``
 
 "native" is a deliberate choice, not a fallback: the call is counted as served by the compiled
 backend. A *fallback* (:func:`unsupported_reason` is not ``None``: integer / complex dtypes, sparse
-layouts, CUDA tensors since this build has no CUDA kernels) runs the original kernel with the reason
+layouts, CUDA tensors unless the CUDA kernels are enabled) runs the original kernel with the reason
 recorded in :func:`aten_override.stats`.
 
 float16 / bfloat16 accumulate in float32; the direct kernel does not use atomics and its result
 does not depend on the thread count.
+
+CUDA: when torch has CUDA, ``setup.py`` also builds ``csrc/cuda/direct.cu``, the direct kernel of the
+**depthwise** class for CUDA tensors (grad_input: one thread per input element; grad_weight: per-block
+partial sums reduced in a fixed order; no atomics, so results are bitwise reproducible and
+``torch.use_deterministic_algorithms(True)`` raises no alert; current stream, device guard). Every
+other class on CUDA is computed by the original kernel by choice (cuDNN). These kernels have not
+been run on hardware by this project yet, so they serve calls only when the environment variable
+``ATEN_OVERRIDE_CUDA_KERNELS=1`` is set when the extension is imported (read once).
+:func:`cuda_kernels` says which case holds; CUDA calls otherwise fall back with the reason
+
+- ``"no CUDA kernels in this build"`` (torch without CUDA, or the CUDA build failed), or
+- ``"CUDA kernels built but not enabled (unverified on hardware; set ATEN_OVERRIDE_CUDA_KERNELS=1)"``.
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ __all__ = [
     "LAYER_CLASSES",
     "extension",
     "unavailable_reason",
+    "cuda_kernels",
     "unsupported_reason",
     "layer_class",
     "convolution_backward",
@@ -73,6 +86,13 @@ def extension() -> ModuleType | None:
 def unavailable_reason() -> str | None:
     """``None`` when the extension is loaded, else ``"compiled kernels not built (<why>)"``."""
     return _REASON
+
+
+def cuda_kernels() -> str:
+    """The CUDA kernels of this build: ``"not built"``, ``"built, disabled"`` (CUDA calls go to the
+    original kernel) or ``"enabled"`` (``ATEN_OVERRIDE_CUDA_KERNELS=1`` at import); ``"not built"``
+    also when the extension itself is not."""
+    return _ext.cuda_kernels() if _ext is not None else "not built"
 
 
 def unsupported_reason(args: ConvolutionBackwardArgs) -> str | None:

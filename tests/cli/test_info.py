@@ -1,0 +1,27 @@
+"""``python -m aten_override info``: versions, the backend x dispatch-key table, the compiled CUDA kernels' state."""
+
+import pytest
+import torch
+
+import aten_override
+from aten_override.cli import info
+from aten_override.ops.convolution_backward import compiled
+
+
+def test_info_prints_the_table_and_the_cuda_kernels_state(capsys):
+    assert info.main(None) == 0
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__}" in out
+    for backend in aten_override.availability():
+        assert any(line.split()[:2] == [backend, "CUDA"] for line in out.splitlines()), out
+    state = compiled.cuda_kernels()
+    expected = f"compiled CUDA kernels (depthwise class): {state}"
+    if state != "enabled":
+        expected += " (CUDA calls of the compiled backend run the original kernel)"
+    assert expected in out.splitlines(), out
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="torch has CUDA: the extension may have CUDA kernels")
+def test_info_cpu_torch_says_not_built(capsys):
+    info.main(None)
+    assert "compiled CUDA kernels (depthwise class): not built" in capsys.readouterr().out
