@@ -42,6 +42,11 @@ enum class LayerClass : int {
   Dense,
   Transposed,
   NoOutputChannels,
+  Pointwise,
+  GroupedGemm,
+  Kn2row3d,
+  Im2col3d,
+  Kn2row,
   Count
 };
 
@@ -70,6 +75,19 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "dense and large-group layers: native's oneDNN / GEMM paths are near the hardware limit (use native)"},
     {"transposed", "native", "transposed layers: no compiled kernel yet; native's oneDNN paths serve them (use native)"},
     {"no-output-channels", "native", "C_out == 0: nothing to compute; native's result (use native)"},
+    {"pointwise", "gemm",
+     "1x1, no padding, groups == 1: native's oneDNN / THNN paths reach 4-26% of peak (bfloat16 4% of AMX); "
+     "plain GEMMs on input / grad_input views (strided: one gather), bfloat16 in oneDNN's AMX GEMM"},
+    {"grouped-gemm", "gemm",
+     "1 < groups < C_in with (C_in / groups) * (C_out / groups) > 64 (ResNeXt layer2-4): native reaches 8% "
+     "of peak; im2col + one batched GEMM over the groups"},
+    {"kn2row-3d", "gemm",
+     "3-D, groups == 1, stride 1, taps in one dim only (R(2+1)D's 3x1x1): native's Slow3d reaches 7% of peak; "
+     "one GEMM per tap on shifted views, no copies"},
+    {"im2col-3d", "gemm",
+     "other 3-D layers with groups == 1: native's Slow3d / oneDNN reach 8-57% of peak; vol2col + GEMM in "
+     "bounded chunks"},
+    {"kn2row", "gemm", "1-D / 2-D, groups == 1, stride 1, taps in one dim only: one GEMM per tap on shifted views"},
 };
 static_assert(sizeof(kLayerClasses) / sizeof(kLayerClasses[0]) == static_cast<size_t>(LayerClass::Count));
 
@@ -281,6 +299,20 @@ std::optional<std::string> unsupported_reason(const at::Tensor& go, const at::Te
   return std::nullopt;
 }
 
+DirectProblem direct_problem(const Args& a, const Expanded& e);
+
+// The GEMM class of a dense or large-group layer (not transposed, C_out > 0), or Dense.
+LayerClass gemm_class(const Args& a, const Expanded& e) {
+  const DirectProblem p = direct_problem(a, e);
+  bool pointwise = true;
+  for (int64_t i = 0; i < e.dims; ++i) pointwise &= a.weight.size(i + 2) == 1 && e.padding[i] == 0;
+  if (a.groups > 1) return LayerClass::GroupedGemm;
+  if (pointwise) return LayerClass::Pointwise;
+  if (e.dims == 3) return kn2row_applies(p) ? LayerClass::Kn2row3d : LayerClass::Im2col3d;
+  if (kn2row_applies(p)) return LayerClass::Kn2row;
+  return LayerClass::Dense;
+}
+
 LayerClass classify(const Args& a, const Expanded& e) {
   if (a.input.size(0) == 0 || e.c_in == 0) return LayerClass::Empty;
   if (a.transposed) return LayerClass::Transposed;
@@ -295,6 +327,7 @@ LayerClass classify(const Args& a, const Expanded& e) {
     direct = LayerClass::Grouped;
   }
   if (direct != LayerClass::Dense && a.grad_output[0][0].numel() < kDirectMinPlane) return LayerClass::SmallPlanes;
+  if (direct == LayerClass::Dense) return gemm_class(a, e);
   return direct;
 }
 
@@ -426,6 +459,31 @@ Result direct_backward(const Args& a, const Expanded& e) {
   return {gi, gw, gb};
 }
 
+// The GEMM kernels' result, in upstream's layout.
+Result gemm_backward(const Args& a, const Expanded& e, GemmAlgorithm algorithm) {
+  const OutputLayout layout = output_layout(a);
+  at::Tensor gi, gw, gb, gi_buffer, gw_buffer;
+  const auto contiguous_buffer = [](const at::Tensor& out) {
+    return out.is_contiguous() ? out : at::empty(out.sizes(), out.options().memory_format(at::MemoryFormat::Contiguous));
+  };
+  if (a.output_mask[0]) {
+    gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt);
+    gi_buffer = contiguous_buffer(gi);
+  }
+  if (a.output_mask[1]) {
+    gw = empty_like_native_weight(a.weight, layout);
+    gw_buffer = contiguous_buffer(gw);
+  }
+  gemm_backward_cpu(
+      algorithm, direct_problem(a, e), a.grad_output.contiguous(),
+      a.output_mask[1] ? a.input.contiguous() : at::Tensor(), a.output_mask[0] ? a.weight.contiguous() : at::Tensor(),
+      a.output_mask[0] ? &gi_buffer : nullptr, a.output_mask[1] ? &gw_buffer : nullptr);
+  if (a.output_mask[0] && !gi_buffer.is_same(gi)) gi.copy_(gi_buffer);
+  if (a.output_mask[1] && !gw_buffer.is_same(gw)) gw.copy_(gw_buffer);
+  if (a.output_mask[2]) gb = grad_bias(a.grad_output);
+  return {gi, gw, gb};
+}
+
 // The compiled backend's result for a call it serves (unsupported_reason() was nullopt).
 Result compiled_backward(const Args& a) {
   const Expanded e = check_args(a);
@@ -438,6 +496,13 @@ Result compiled_backward(const Args& a) {
     case LayerClass::Grouped:
     case LayerClass::OneChannel:
       return direct_backward(a, e);
+    case LayerClass::Pointwise:
+    case LayerClass::GroupedGemm:
+    case LayerClass::Im2col3d:
+      return gemm_backward(a, e, GemmAlgorithm::Im2col);
+    case LayerClass::Kn2row3d:
+    case LayerClass::Kn2row:
+      return gemm_backward(a, e, GemmAlgorithm::Kn2row);
     case LayerClass::SmallPlanes:
     case LayerClass::Dense:
     case LayerClass::Transposed:

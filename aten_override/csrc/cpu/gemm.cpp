@@ -1,0 +1,348 @@
+// The GEMM kernels of the compiled backend: grad_input and grad_weight of non-transposed
+// convolutions as matrix products (at::mm / at::bmm, so MKL or oneDNN), 1-D/2-D/3-D, any stride,
+// padding and dilation, grouped layers as a batch of GEMMs over the groups. With grad_output of group
+// g as the matrix go[g] (C_out / groups, positions):
+//
+// Im2col: per chunk of output positions, columns col[g] ((C_in / groups) * taps, positions) gathered
+//   from input (zeros where a tap reads padding); grad_weight[g] += go[g] @ col[g]^T, then the same
+//   buffer takes col[g] = weight[g]^T @ go[g], added back into grad_input (col2im). A chunk is a set
+//   of whole samples (folded into the GEMM's inner dim) or a run of output rows of one sample, sized
+//   so the workspace (columns plus a grad_output copy) stays under kWorkspaceBytes: never a full
+//   N x C_in * taps x positions buffer. Pointwise layers (1x1, stride 1, no padding) use input and
+//   grad_input themselves as the columns, views with no copy, whenever a chunk is one sample.
+// Kn2row: kernels with more than one tap in a single dim (a 3x1x1 temporal layer, a 1-D layer), stride
+//   1: per tap, one GEMM on shifted views of input / grad_input (no copy at all):
+//   grad_weight[:, :, tap] += go @ input_shifted^T, grad_input_shifted += weight[:, :, tap]^T @ go.
+//
+// Every output element is written by one GEMM call or one thread of col2im, in a fixed order: no
+// atomics, and two runs give the same bits. float16 / bfloat16: the GEMMs run in float32 on float32
+// copies, except pointwise layers whose batch fits one chunk, where each output is the result of a
+// single oneDNN GEMM (AMX) that accumulates in float32 and rounds once, like native.
+#include "../convolution_backward.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace aten_override {
+namespace {
+
+// Bound on the columns plus grad_output copy of one chunk. Below native's own peak on the layers the
+// GEMM classes serve (native allocates 15-110 MB there), so peak memory stays within 1.2x native.
+constexpr int64_t kWorkspaceBytes = int64_t{8} << 20;
+
+// Samples with at least this many output positions are one chunk each (or several): the GEMMs are
+// wide enough on their own, and pointwise layers then need no copy. Smaller samples are folded.
+constexpr int64_t kMinSampleColumns = 512;
+
+int64_t numel3(const std::array<int64_t, 3>& a) {
+  return a[0] * a[1] * a[2];
+}
+
+bool pointwise(const DirectProblem& p) {
+  for (int i = 0; i < 3; ++i) {
+    if (p.kernel[i] != 1 || p.padding[i] != 0) return false;
+  }
+  return true;
+}
+
+// Pointwise with stride 1: the columns are input itself.
+bool identity_columns(const DirectProblem& p) {
+  return pointwise(p) && p.stride[0] == 1 && p.stride[1] == 1 && p.stride[2] == 1;
+}
+
+// Output positions: rows [row_begin, row_end) (a row is one (t, h) of grad_output, out[2] positions
+// long) of samples [n_begin, n_end). Several samples only ever come with all their rows.
+struct Chunk {
+  int64_t n_begin, n_end, row_begin, row_end;
+  int64_t samples() const {
+    return n_end - n_begin;
+  }
+  int64_t rows() const {
+    return row_end - row_begin;
+  }
+};
+
+std::vector<Chunk> plan_chunks(const DirectProblem& p, int64_t bytes_per_column) {
+  const int64_t rows = p.out[0] * p.out[1], width = p.out[2], sample = rows * width;
+  const int64_t max_columns = bytes_per_column == 0
+      ? sample
+      : std::max(width, kWorkspaceBytes / bytes_per_column);
+  std::vector<Chunk> chunks;
+  if (sample <= max_columns) {
+    const int64_t samples = sample >= kMinSampleColumns ? 1 : std::max<int64_t>(1, max_columns / sample);
+    for (int64_t n = 0; n < p.batch; n += samples) chunks.push_back({n, std::min(n + samples, p.batch), 0, rows});
+  } else {
+    const int64_t rows_per_chunk = std::max<int64_t>(1, max_columns / width);
+    for (int64_t n = 0; n < p.batch; ++n) {
+      for (int64_t r = 0; r < rows; r += rows_per_chunk) chunks.push_back({n, n + 1, r, std::min(r + rows_per_chunk, rows)});
+    }
+  }
+  return chunks;
+}
+
+// Whether im2col_backward reads input and grad_input in place, with no columns.
+bool column_views(const DirectProblem& p) {
+  return identity_columns(p) && numel3(p.out) >= kMinSampleColumns;
+}
+
+// im2col_backward's chunks for elements of `element_size` bytes.
+std::vector<Chunk> im2col_plan(const DirectProblem& p, int64_t element_size) {
+  const int64_t columns_rows = p.groups * p.in_per_group * numel3(p.kernel), go_rows = p.groups * p.out_per_group;
+  return plan_chunks(p, column_views(p) ? 0 : (columns_rows + go_rows) * element_size);
+}
+
+// The positions w of an output row whose input column w * stride + offset lies in [0, in):
+// [*lo, *hi), clamped to [0, width).
+void valid_range(int64_t offset, int64_t stride, int64_t in, int64_t width, int64_t* lo, int64_t* hi) {
+  *lo = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
+  *hi = in - 1 - offset < 0 ? 0 : (in - 1 - offset) / stride + 1;
+  *hi = std::min(*hi, width);
+  *lo = std::min(*lo, *hi);
+}
+
+// A kernel tap as (kt, kh, kw).
+struct TapGeometry {
+  int64_t kt, kh, kw;
+};
+
+TapGeometry tap_of(const DirectProblem& p, int64_t k) {
+  return {k / (p.kernel[1] * p.kernel[2]), (k / p.kernel[2]) % p.kernel[1], k % p.kernel[2]};
+}
+
+// The input row (t, h) that output row r reads through tap g, as an offset into an input plane, or -1.
+int64_t input_row(const DirectProblem& p, const TapGeometry& g, int64_t r) {
+  const int64_t t = r / p.out[1], h = r % p.out[1];
+  const int64_t it = t * p.stride[0] - p.padding[0] + g.kt * p.dilation[0];
+  const int64_t ih = h * p.stride[1] - p.padding[1] + g.kh * p.dilation[1];
+  if (it < 0 || it >= p.in[0] || ih < 0 || ih >= p.in[1]) return -1;
+  return (it * p.in[1] + ih) * p.in[2];
+}
+
+// col[(c * taps + tap) * P + j] = input at output position j of the chunk through tap, 0 in padding.
+template <typename scalar_t>
+void im2col(const DirectProblem& p, const scalar_t* input, const Chunk& c, scalar_t* col) {
+  const int64_t channels = p.groups * p.in_per_group, taps = numel3(p.kernel), width = p.out[2];
+  const int64_t columns = c.samples() * c.rows() * width, plane = numel3(p.in), sw = p.stride[2];
+  at::parallel_for(0, channels * taps, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t ci = row / taps;
+      const TapGeometry g = tap_of(p, row % taps);
+      const int64_t offset = g.kw * p.dilation[2] - p.padding[2];
+      int64_t lo, hi;
+      valid_range(offset, sw, p.in[2], width, &lo, &hi);
+      scalar_t* dst = col + row * columns;
+      for (int64_t n = c.n_begin; n < c.n_end; ++n) {
+        const scalar_t* src_plane = input + (n * channels + ci) * plane;
+        for (int64_t r = c.row_begin; r < c.row_end; ++r, dst += width) {
+          const int64_t in_row = input_row(p, g, r);
+          if (in_row < 0) {
+            std::fill(dst, dst + width, scalar_t(0));
+            continue;
+          }
+          const scalar_t* src = src_plane + in_row + offset;
+          std::fill(dst, dst + lo, scalar_t(0));
+          if (sw == 1) {
+            std::copy(src + lo, src + hi, dst + lo);
+          } else {
+            for (int64_t w = lo; w < hi; ++w) dst[w] = src[w * sw];
+          }
+          std::fill(dst + hi, dst + width, scalar_t(0));
+        }
+      }
+    }
+  });
+}
+
+// grad_input += col scattered back (the adjoint of im2col); one thread per (sample, channel) plane,
+// taps and positions in a fixed order.
+template <typename scalar_t>
+void col2im(const DirectProblem& p, const scalar_t* col, const Chunk& c, scalar_t* grad_input) {
+  const int64_t channels = p.groups * p.in_per_group, taps = numel3(p.kernel), width = p.out[2];
+  const int64_t columns = c.samples() * c.rows() * width, plane = numel3(p.in), sw = p.stride[2];
+  at::parallel_for(0, c.samples() * channels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = c.n_begin + item / channels, ci = item % channels;
+      scalar_t* dst_plane = grad_input + (n * channels + ci) * plane;
+      for (int64_t k = 0; k < taps; ++k) {
+        const TapGeometry g = tap_of(p, k);
+        const int64_t offset = g.kw * p.dilation[2] - p.padding[2];
+        int64_t lo, hi;
+        valid_range(offset, sw, p.in[2], width, &lo, &hi);
+        const scalar_t* src = col + (ci * taps + k) * columns + (n - c.n_begin) * c.rows() * width;
+        for (int64_t r = c.row_begin; r < c.row_end; ++r, src += width) {
+          const int64_t in_row = input_row(p, g, r);
+          if (in_row < 0) continue;
+          scalar_t* dst = dst_plane + in_row + offset;
+          for (int64_t w = lo; w < hi; ++w) dst[w * sw] += src[w];
+        }
+      }
+    }
+  });
+}
+
+// out (G, M, N) = a (G, M, K) @ b (G, K, N), or out += a @ b; G == 1 uses the 2-D ops (no batch loop).
+void gemm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  if (out.size(0) == 1) {
+    at::Tensor o = out.select(0, 0);
+    if (accumulate) {
+      o.addmm_(a.select(0, 0), b.select(0, 0));
+    } else {
+      at::mm_out(o, a.select(0, 0), b.select(0, 0));
+    }
+  } else if (accumulate) {
+    const_cast<at::Tensor&>(out).baddbmm_(a, b);
+  } else {
+    at::bmm_out(const_cast<at::Tensor&>(out), a, b);
+  }
+}
+
+// One sample's (or grad_input's) channels as (groups, channels per group, positions).
+at::Tensor grouped(const at::Tensor& sample, int64_t groups) {
+  return sample.view({groups, sample.size(0) / groups, -1});
+}
+
+// grad_input / grad_weight (either may be undefined) into contiguous tensors of go's dtype.
+void im2col_backward(
+    const DirectProblem& p, const at::Tensor& go, const at::Tensor& x, const at::Tensor& w, at::Tensor gi,
+    at::Tensor gw) {
+  const int64_t G = p.groups, c_in = G * p.in_per_group, c_out = G * p.out_per_group, taps = numel3(p.kernel);
+  const int64_t width = p.out[2], sample = numel3(p.out);
+  const bool views = column_views(p);
+  const std::vector<Chunk> chunks = im2col_plan(p, go.element_size());
+  int64_t max_columns = 0;
+  for (const auto& c : chunks) max_columns = std::max(max_columns, c.samples() * c.rows() * width);
+  at::Tensor col_ws = views ? at::Tensor() : at::empty({c_in * taps * max_columns}, go.options());
+  at::Tensor go_ws = chunks.size() < static_cast<size_t>(p.batch)
+      ? at::empty({c_out * max_columns}, go.options())
+      : at::Tensor();
+  if (gi.defined() && !views) gi.zero_();
+  // weight^T: (G, C_in / G * taps, C_out / G).
+  const at::Tensor w_t = gi.defined() ? w.view({G, p.out_per_group, -1}).transpose(1, 2) : at::Tensor();
+  const at::Tensor gw3 = gw.defined() ? gw.view({G, p.out_per_group, -1}) : at::Tensor();
+  bool first = true;
+  for (const Chunk& c : chunks) {
+    const int64_t columns = c.samples() * c.rows() * width, first_column = c.row_begin * width;
+    at::Tensor go_c;  // (G, C_out / G, columns)
+    if (c.samples() == 1) {
+      go_c = grouped(go[c.n_begin].view({c_out, -1}), G).narrow(2, first_column, columns);
+    } else {
+      go_c = go_ws.narrow(0, 0, c_out * columns).view({c_out, c.samples(), sample});
+      go_c.copy_(go.narrow(0, c.n_begin, c.samples()).view({c.samples(), c_out, sample}).transpose(0, 1));
+      go_c = grouped(go_c, G);
+    }
+    at::Tensor col = views
+        ? (gw.defined() ? grouped(x[c.n_begin].view({c_in, -1}), G).narrow(2, first_column, columns) : at::Tensor())
+        : grouped(col_ws.narrow(0, 0, c_in * taps * columns).view({c_in * taps, columns}), G);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, go.scalar_type(), "gemm_im2col_cpu", [&] {
+      if (gw.defined()) {
+        if (!views) im2col(p, x.const_data_ptr<scalar_t>(), c, col.mutable_data_ptr<scalar_t>());
+        gemm(gw3, go_c, col.transpose(1, 2), /*accumulate=*/!first);
+      }
+      if (gi.defined()) {
+        if (views) {
+          gemm(grouped(gi[c.n_begin].view({c_in, -1}), G).narrow(2, first_column, columns), w_t, go_c, false);
+        } else {
+          gemm(col, w_t, go_c, false);
+          col2im(p, col.const_data_ptr<scalar_t>(), c, gi.mutable_data_ptr<scalar_t>());
+        }
+      }
+    });
+    first = false;
+  }
+}
+
+// The one dim with more than one tap (kn2row_applies() holds).
+int kn2row_dim(const DirectProblem& p) {
+  for (int i = 0; i < 3; ++i) {
+    if (p.kernel[i] > 1) return i;
+  }
+  return 2;
+}
+
+void kn2row_backward(
+    const DirectProblem& p, const at::Tensor& go, const at::Tensor& x, const at::Tensor& w, at::Tensor gi,
+    at::Tensor gw) {
+  const int d = kn2row_dim(p);
+  const int64_t G = p.groups, taps = p.kernel[d], in_len = p.in[d], out_len = p.out[d];
+  int64_t inner = 1;  // positions per index of dim d: the dims after it, 1x1 with stride 1
+  for (int i = d + 1; i < 3; ++i) inner *= p.in[i];
+  const int64_t c_in = G * p.in_per_group, c_out = G * p.out_per_group;
+  // weight^T per tap: (taps, G, C_in / G, C_out / G).
+  const at::Tensor w_t = gi.defined()
+      ? w.view({G, p.out_per_group, p.in_per_group, taps}).permute({3, 0, 2, 1}).contiguous()
+      : at::Tensor();
+  at::Tensor acc = gw.defined() ? at::zeros({taps, G, p.out_per_group, p.in_per_group}, go.options()) : at::Tensor();
+  if (gi.defined()) gi.zero_();
+  for (int64_t n = 0; n < p.batch; ++n) {
+    const at::Tensor go_n = grouped(go[n].view({c_out, -1}), G);
+    const at::Tensor x_n = gw.defined() ? grouped(x[n].view({c_in, -1}), G) : at::Tensor();
+    const at::Tensor gi_n = gi.defined() ? grouped(gi[n].view({c_in, -1}), G) : at::Tensor();
+    for (int64_t k = 0; k < taps; ++k) {
+      // output index o reads input index o + shift; both in range for o in [o_begin, o_end).
+      const int64_t shift = k * p.dilation[d] - p.padding[d];
+      const int64_t o_begin = std::max<int64_t>(0, -shift), o_end = std::min(out_len, in_len - shift);
+      if (o_end <= o_begin) continue;
+      const int64_t columns = (o_end - o_begin) * inner;
+      const at::Tensor go_v = go_n.narrow(2, o_begin * inner, columns);
+      if (gw.defined()) gemm(acc[k], go_v, x_n.narrow(2, (o_begin + shift) * inner, columns).transpose(1, 2), true);
+      if (gi.defined()) gemm(gi_n.narrow(2, (o_begin + shift) * inner, columns), w_t[k], go_v, true);
+    }
+  }
+  if (gw.defined()) gw.view({G, p.out_per_group, p.in_per_group, taps}).copy_(acc.permute({1, 2, 3, 0}));
+}
+
+bool reduced(at::ScalarType t) {
+  return t == at::kHalf || t == at::kBFloat16;
+}
+
+}  // namespace
+
+bool kn2row_applies(const DirectProblem& p) {
+  int wide = 0;
+  for (int i = 0; i < 3; ++i) {
+    if (p.stride[i] != 1) return false;
+    if (p.kernel[i] > 1) {
+      if (wide++) return false;
+      continue;
+    }
+    if (p.padding[i] != 0) return false;
+    // A dim before the tap dim must be trivial, so that every shifted view is one strided matrix.
+    if (!wide && p.in[i] != 1) {
+      bool later = false;
+      for (int j = i + 1; j < 3; ++j) later |= p.kernel[j] > 1;
+      if (later) return false;
+    }
+  }
+  return wide == 1;
+}
+
+void gemm_backward_cpu(
+    GemmAlgorithm algorithm, const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight) {
+  TORCH_INTERNAL_ASSERT(algorithm != GemmAlgorithm::Kn2row || kn2row_applies(p));
+  const at::ScalarType dtype = grad_output.scalar_type();
+  // Reduced dtypes compute in float32, but for pointwise layers whose whole batch is one chunk: each
+  // output is then one oneDNN GEMM, accumulated in float32 and rounded once.
+  const bool compute_in_dtype = !reduced(dtype) ||
+      (algorithm == GemmAlgorithm::Im2col && pointwise(p) && im2col_plan(p, grad_output.element_size()).size() == 1);
+  const at::ScalarType compute = compute_in_dtype ? dtype : at::kFloat;
+  // input is only read for grad_weight, weight only for grad_input: either may be undefined.
+  const at::Tensor go = grad_output.to(compute);
+  const at::Tensor x = input.defined() ? input.to(compute) : input, w = weight.defined() ? weight.to(compute) : weight;
+  at::Tensor gi, gw;
+  if (grad_input) gi = compute == dtype ? *grad_input : at::empty(grad_input->sizes(), go.options());
+  if (grad_weight) gw = compute == dtype ? *grad_weight : at::empty(grad_weight->sizes(), go.options());
+  if (algorithm == GemmAlgorithm::Kn2row) {
+    kn2row_backward(p, go, x, w, gi, gw);
+  } else {
+    im2col_backward(p, go, x, w, gi, gw);
+  }
+  if (grad_input && compute != dtype) grad_input->copy_(gi);
+  if (grad_weight && compute != dtype) grad_weight->copy_(gw);
+}
+
+}  // namespace aten_override
