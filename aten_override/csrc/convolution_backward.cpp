@@ -300,17 +300,24 @@ std::optional<std::string> unsupported_reason(const at::Tensor& go, const at::Te
 }
 
 DirectProblem direct_problem(const Args& a, const Expanded& e);
+at::native::ConvBackend native_backend(const Args& a);
 
-// The GEMM class of a dense or large-group layer (not transposed, C_out > 0), or Dense.
+// The GEMM class of a dense or large-group layer (not transposed, C_out > 0), or Dense. Pointwise and
+// 3-D layers only where the native path they would take is the one the GEMM kernels were measured
+// to beat (see kLayerClasses); native's Slow2d is itself im2col + GEMM.
 LayerClass gemm_class(const Args& a, const Expanded& e) {
+  if (a.groups > 1) return LayerClass::GroupedGemm;
   const DirectProblem p = direct_problem(a, e);
   bool pointwise = true;
   for (int64_t i = 0; i < e.dims; ++i) pointwise &= a.weight.size(i + 2) == 1 && e.padding[i] == 0;
-  if (a.groups > 1) return LayerClass::GroupedGemm;
-  if (pointwise) return LayerClass::Pointwise;
-  if (e.dims == 3) return kn2row_applies(p) ? LayerClass::Kn2row3d : LayerClass::Im2col3d;
-  if (kn2row_applies(p)) return LayerClass::Kn2row;
-  return LayerClass::Dense;
+  if (pointwise) {
+    return native_backend(a) == at::native::ConvBackend::Mkldnn ? LayerClass::Pointwise : LayerClass::Dense;
+  }
+  if (e.dims == 3) {
+    if (native_backend(a) != at::native::ConvBackend::Slow3d) return LayerClass::Dense;
+    return kn2row_applies(p) ? LayerClass::Kn2row3d : LayerClass::Im2col3d;
+  }
+  return kn2row_applies(p) ? LayerClass::Kn2row : LayerClass::Dense;
 }
 
 LayerClass classify(const Args& a, const Expanded& e) {
@@ -369,13 +376,18 @@ struct OutputLayout {
   at::native::ConvBackend backend;
 };
 
-OutputLayout output_layout(const Args& a) {
+// The backend at::native::convolution_backward picks for the call.
+at::native::ConvBackend native_backend(const Args& a) {
   c10::AutoGradMode grad_mode(true);  // need_backward, as at::native::convolution_backward sees it
-  const auto backend = at::native::select_conv_backend(
+  return at::native::select_conv_backend(
       a.input, a.weight, std::nullopt, c10::fromIntArrayRefSlow(a.stride), c10::fromIntArrayRefSlow(a.padding),
       c10::fromIntArrayRefSlow(a.dilation), a.transposed, c10::fromIntArrayRefSlow(a.output_padding),
       c10::SymInt(a.groups),
       a.bias_sizes.has_value() ? at::OptionalSymIntArrayRef(c10::fromIntArrayRefSlow(*a.bias_sizes)) : std::nullopt);
+}
+
+OutputLayout output_layout(const Args& a) {
+  const auto backend = native_backend(a);
   if (a.weight.dim() == 3) {
     // Only the strides of input.contiguous() matter; a fresh contiguous tensor of its sizes has them
     // (and works for stride-0 placeholders without materialising them).
@@ -501,9 +513,9 @@ Result compiled_backward(const Args& a) {
     case LayerClass::Im2col3d:
       return gemm_backward(a, e, GemmAlgorithm::Im2col);
     case LayerClass::Kn2row3d:
-    case LayerClass::Kn2row:
       return gemm_backward(a, e, GemmAlgorithm::Kn2row);
     case LayerClass::SmallPlanes:
+    case LayerClass::Kn2row:
     case LayerClass::Dense:
     case LayerClass::Transposed:
     case LayerClass::NoOutputChannels: {

@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace aten_override {
@@ -95,93 +96,108 @@ std::vector<Chunk> im2col_plan(const DirectProblem& p, int64_t element_size) {
   return plan_chunks(p, column_views(p) ? 0 : (columns_rows + go_rows) * element_size);
 }
 
-// The positions w of an output row whose input column w * stride + offset lies in [0, in):
-// [*lo, *hi), clamped to [0, width).
-void valid_range(int64_t offset, int64_t stride, int64_t in, int64_t width, int64_t* lo, int64_t* hi) {
-  *lo = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
-  *hi = in - 1 - offset < 0 ? 0 : (in - 1 - offset) / stride + 1;
-  *hi = std::min(*hi, width);
-  *lo = std::min(*lo, *hi);
-}
-
-// A kernel tap as (kt, kh, kw).
-struct TapGeometry {
-  int64_t kt, kh, kw;
+// A kernel tap's walk along W: output position w reads input column w * stride + offset, inside
+// the input for w in [lo, hi).
+struct WTap {
+  int64_t offset, lo, hi;
 };
 
-TapGeometry tap_of(const DirectProblem& p, int64_t k) {
-  return {k / (p.kernel[1] * p.kernel[2]), (k / p.kernel[2]) % p.kernel[1], k % p.kernel[2]};
+std::vector<WTap> w_taps(const DirectProblem& p) {
+  std::vector<WTap> taps;
+  const int64_t stride = p.stride[2], in = p.in[2], width = p.out[2];
+  for (int64_t kw = 0; kw < p.kernel[2]; ++kw) {
+    const int64_t offset = kw * p.dilation[2] - p.padding[2];
+    const int64_t hi = in - 1 - offset < 0 ? 0 : std::min(width, (in - 1 - offset) / stride + 1);
+    const int64_t lo = std::min(hi, offset >= 0 ? int64_t{0} : (-offset + stride - 1) / stride);
+    taps.push_back({offset, lo, hi});
+  }
+  return taps;
 }
 
-// The input row (t, h) that output row r reads through tap g, as an offset into an input plane, or -1.
-int64_t input_row(const DirectProblem& p, const TapGeometry& g, int64_t r) {
-  const int64_t t = r / p.out[1], h = r % p.out[1];
-  const int64_t it = t * p.stride[0] - p.padding[0] + g.kt * p.dilation[0];
-  const int64_t ih = h * p.stride[1] - p.padding[1] + g.kh * p.dilation[1];
-  if (it < 0 || it >= p.in[0] || ih < 0 || ih >= p.in[1]) return -1;
-  return (it * p.in[1] + ih) * p.in[2];
+// Calls f(tap, row, in_row, w_tap) for the rows [row_begin, row_end) of one sample (a row is one
+// (t, h) of grad_output; `row` counts from row_begin) and every kernel tap, taps inner: in_row is
+// the offset in an input plane of the input row (t, h) the tap reads, or -1 where it reads padding.
+template <typename F>
+inline void for_each_row_tap(
+    const DirectProblem& p, int64_t row_begin, int64_t row_end, const std::vector<WTap>& wt, F f) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const int64_t t = r / p.out[1], h = r % p.out[1];
+    int64_t tap = 0;
+    for (int64_t kt = 0; kt < p.kernel[0]; ++kt) {
+      const int64_t it = t * p.stride[0] - p.padding[0] + kt * p.dilation[0];
+      for (int64_t kh = 0; kh < p.kernel[1]; ++kh) {
+        const int64_t ih = h * p.stride[1] - p.padding[1] + kh * p.dilation[1];
+        const bool inside = it >= 0 && it < p.in[0] && ih >= 0 && ih < p.in[1];
+        const int64_t in_row = inside ? (it * p.in[1] + ih) * p.in[2] : -1;
+        for (const WTap& w : wt) f(tap++, r - row_begin, in_row, w);
+      }
+    }
+  }
 }
 
-// col[(c * taps + tap) * P + j] = input at output position j of the chunk through tap, 0 in padding.
-template <typename scalar_t>
+// col[(c * taps + tap) * columns + j] = input at output position j of the chunk through tap, 0 in
+// padding. One thread per channel (its taps' rows). S: the W stride when known at compile time, else 0.
+template <int64_t S, typename scalar_t>
 void im2col(const DirectProblem& p, const scalar_t* input, const Chunk& c, scalar_t* col) {
   const int64_t channels = p.groups * p.in_per_group, taps = numel3(p.kernel), width = p.out[2];
-  const int64_t columns = c.samples() * c.rows() * width, plane = numel3(p.in), sw = p.stride[2];
-  at::parallel_for(0, channels * taps, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t ci = row / taps;
-      const TapGeometry g = tap_of(p, row % taps);
-      const int64_t offset = g.kw * p.dilation[2] - p.padding[2];
-      int64_t lo, hi;
-      valid_range(offset, sw, p.in[2], width, &lo, &hi);
-      scalar_t* dst = col + row * columns;
+  const int64_t columns = c.samples() * c.rows() * width, plane = numel3(p.in);
+  const int64_t sw = S ? S : p.stride[2];
+  const std::vector<WTap> wt = w_taps(p);
+  at::parallel_for(0, channels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t ci = begin; ci < end; ++ci) {
       for (int64_t n = c.n_begin; n < c.n_end; ++n) {
         const scalar_t* src_plane = input + (n * channels + ci) * plane;
-        for (int64_t r = c.row_begin; r < c.row_end; ++r, dst += width) {
-          const int64_t in_row = input_row(p, g, r);
+        scalar_t* dst_sample = col + ci * taps * columns + (n - c.n_begin) * c.rows() * width;
+        for_each_row_tap(p, c.row_begin, c.row_end, wt, [&](int64_t tap, int64_t row, int64_t in_row, const WTap& w) {
+          scalar_t* dst = dst_sample + tap * columns + row * width;
           if (in_row < 0) {
             std::fill(dst, dst + width, scalar_t(0));
-            continue;
+            return;
           }
-          const scalar_t* src = src_plane + in_row + offset;
-          std::fill(dst, dst + lo, scalar_t(0));
-          if (sw == 1) {
-            std::copy(src + lo, src + hi, dst + lo);
-          } else {
-            for (int64_t w = lo; w < hi; ++w) dst[w] = src[w * sw];
-          }
-          std::fill(dst + hi, dst + width, scalar_t(0));
-        }
+          const scalar_t* src = src_plane + in_row + w.offset;
+          std::fill(dst, dst + w.lo, scalar_t(0));
+          for (int64_t j = w.lo; j < w.hi; ++j) dst[j] = src[j * sw];
+          std::fill(dst + w.hi, dst + width, scalar_t(0));
+        });
       }
     }
   });
 }
 
-// grad_input += col scattered back (the adjoint of im2col); one thread per (sample, channel) plane,
-// taps and positions in a fixed order.
-template <typename scalar_t>
+// grad_input += col scattered back (the adjoint of im2col); a sample's planes are zeroed first by the
+// chunk holding its first row. One thread per (sample, channel) plane, taps and positions in a fixed
+// order.
+template <int64_t S, typename scalar_t>
 void col2im(const DirectProblem& p, const scalar_t* col, const Chunk& c, scalar_t* grad_input) {
   const int64_t channels = p.groups * p.in_per_group, taps = numel3(p.kernel), width = p.out[2];
-  const int64_t columns = c.samples() * c.rows() * width, plane = numel3(p.in), sw = p.stride[2];
+  const int64_t columns = c.samples() * c.rows() * width, plane = numel3(p.in);
+  const int64_t sw = S ? S : p.stride[2];
+  const std::vector<WTap> wt = w_taps(p);
   at::parallel_for(0, c.samples() * channels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = c.n_begin + item / channels, ci = item % channels;
       scalar_t* dst_plane = grad_input + (n * channels + ci) * plane;
-      for (int64_t k = 0; k < taps; ++k) {
-        const TapGeometry g = tap_of(p, k);
-        const int64_t offset = g.kw * p.dilation[2] - p.padding[2];
-        int64_t lo, hi;
-        valid_range(offset, sw, p.in[2], width, &lo, &hi);
-        const scalar_t* src = col + (ci * taps + k) * columns + (n - c.n_begin) * c.rows() * width;
-        for (int64_t r = c.row_begin; r < c.row_end; ++r, src += width) {
-          const int64_t in_row = input_row(p, g, r);
-          if (in_row < 0) continue;
-          scalar_t* dst = dst_plane + in_row + offset;
-          for (int64_t w = lo; w < hi; ++w) dst[w * sw] += src[w];
-        }
-      }
+      if (c.row_begin == 0) std::fill(dst_plane, dst_plane + plane, scalar_t(0));
+      const scalar_t* src_sample = col + ci * taps * columns + (n - c.n_begin) * c.rows() * width;
+      for_each_row_tap(p, c.row_begin, c.row_end, wt, [&](int64_t tap, int64_t row, int64_t in_row, const WTap& w) {
+        if (in_row < 0) return;
+        const scalar_t* src = src_sample + tap * columns + row * width;
+        scalar_t* dst = dst_plane + in_row + w.offset;
+        for (int64_t j = w.lo; j < w.hi; ++j) dst[j * sw] += src[j];
+      });
     }
   });
+}
+
+// f.template operator()<S>() with S the W stride of p when it is 1 or 2 (so the row loops are
+// compiled for it), else 0.
+template <typename F>
+void with_w_stride(const DirectProblem& p, F f) {
+  switch (p.stride[2]) {
+    case 1: return f(std::integral_constant<int64_t, 1>());
+    case 2: return f(std::integral_constant<int64_t, 2>());
+    default: return f(std::integral_constant<int64_t, 0>());
+  }
 }
 
 // out (G, M, N) = a (G, M, K) @ b (G, K, N), or out += a @ b; G == 1 uses the 2-D ops (no batch loop).
@@ -219,7 +235,6 @@ void im2col_backward(
   at::Tensor go_ws = chunks.size() < static_cast<size_t>(p.batch)
       ? at::empty({c_out * max_columns}, go.options())
       : at::Tensor();
-  if (gi.defined() && !views) gi.zero_();
   // weight^T: (G, C_in / G * taps, C_out / G).
   const at::Tensor w_t = gi.defined() ? w.view({G, p.out_per_group, -1}).transpose(1, 2) : at::Tensor();
   const at::Tensor gw3 = gw.defined() ? gw.view({G, p.out_per_group, -1}) : at::Tensor();
@@ -239,7 +254,11 @@ void im2col_backward(
         : grouped(col_ws.narrow(0, 0, c_in * taps * columns).view({c_in * taps, columns}), G);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, go.scalar_type(), "gemm_im2col_cpu", [&] {
       if (gw.defined()) {
-        if (!views) im2col(p, x.const_data_ptr<scalar_t>(), c, col.mutable_data_ptr<scalar_t>());
+        if (!views) {
+          with_w_stride(p, [&](auto stride) {
+            im2col<decltype(stride)::value>(p, x.const_data_ptr<scalar_t>(), c, col.mutable_data_ptr<scalar_t>());
+          });
+        }
         gemm(gw3, go_c, col.transpose(1, 2), /*accumulate=*/!first);
       }
       if (gi.defined()) {
@@ -247,7 +266,9 @@ void im2col_backward(
           gemm(grouped(gi[c.n_begin].view({c_in, -1}), G).narrow(2, first_column, columns), w_t, go_c, false);
         } else {
           gemm(col, w_t, go_c, false);
-          col2im(p, col.const_data_ptr<scalar_t>(), c, gi.mutable_data_ptr<scalar_t>());
+          with_w_stride(p, [&](auto stride) {
+            col2im<decltype(stride)::value>(p, col.const_data_ptr<scalar_t>(), c, gi.mutable_data_ptr<scalar_t>());
+          });
         }
       }
     });
