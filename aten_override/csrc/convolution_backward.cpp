@@ -72,22 +72,29 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "depthwise / grouped / one-channel with under 64 output elements per channel (MobileNetV2's 7x7 stages): the "
      "direct kernel's per-plane overhead loses to native there (use native)"},
     {"dense", "native",
-     "dense and large-group layers: native's oneDNN / GEMM paths are near the hardware limit (use native)"},
+     "dense 1-D / 2-D layers, and the layers the GEMM classes below leave to native (float16; bfloat16 but "
+     "pointwise; pointwise and 3-D layers native does not send to oneDNN / Slow3d): native's oneDNN / GEMM "
+     "paths are near the hardware limit there, or as fast (use native)"},
     {"transposed", "native", "transposed layers: no compiled kernel yet; native's oneDNN paths serve them (use native)"},
     {"no-output-channels", "native", "C_out == 0: nothing to compute; native's result (use native)"},
     {"pointwise", "gemm",
-     "1x1, no padding, groups == 1: native's oneDNN / THNN paths reach 4-26% of peak (bfloat16 4% of AMX); "
-     "plain GEMMs on input / grad_input views (strided: one gather), bfloat16 in oneDNN's AMX GEMM"},
+     "1x1, no padding, groups == 1, where native picks oneDNN: its backward reaches 4-17% of peak (bfloat16 "
+     "4% of AMX); plain GEMMs on input / grad_input views (strided: one gather), bfloat16 in one AMX GEMM; "
+     "measured 0.3-0.5x native (ResNet-50). Where native picks Slow2d (itself GEMMs) it stays dense: 1.03x"},
     {"grouped-gemm", "gemm",
-     "1 < groups < C_in with (C_in / groups) * (C_out / groups) > 64 (ResNeXt layer2-4): native reaches 8% "
-     "of peak; im2col + one batched GEMM over the groups"},
+     "float32 / float64, 1 < groups < C_in with (C_in / groups) * (C_out / groups) > 64 (ResNeXt layer2-4): "
+     "native's oneDNN reaches 8-12% of peak; im2col + GEMM group by group in L2-sized chunks, measured 0.87x "
+     "(bfloat16 stays dense: computed in float32 it measured 1.8x native's time and memory)"},
     {"kn2row-3d", "gemm",
-     "3-D, groups == 1, stride 1, taps in one dim only (R(2+1)D's 3x1x1): native's Slow3d reaches 7% of peak; "
-     "one GEMM per tap on shifted views, no copies"},
+     "3-D, groups == 1, stride 1, taps in one dim only (R(2+1)D's 3x1x1), where native picks Slow3d (7% of "
+     "peak): one GEMM per tap on shifted views, no copies; measured 0.35-0.38x native"},
     {"im2col-3d", "gemm",
-     "other 3-D layers with groups == 1: native's Slow3d / oneDNN reach 8-57% of peak; vol2col + GEMM in "
-     "bounded chunks"},
-    {"kn2row", "gemm", "1-D / 2-D, groups == 1, stride 1, taps in one dim only: one GEMM per tap on shifted views"},
+     "other 3-D layers with groups == 1 where native picks Slow3d (C3D's first layer: 6% of peak): vol2col + "
+     "GEMM in bounded chunks, measured 0.30-0.33x. Where native picks oneDNN (near the limit: 43-57% of peak, "
+     "ResNet3D-18) it stays dense: vol2col + GEMM measured 1.2x"},
+    {"kn2row", "native",
+     "1-D / 2-D, groups == 1, stride 1, taps in one dim only (HiFi-GAN's k7 d3): kn2row measured 1.08-1.14x "
+     "native, whose oneDNN path runs at MKL's GEMM rate there (use native)"},
 };
 static_assert(sizeof(kLayerClasses) / sizeof(kLayerClasses[0]) == static_cast<size_t>(LayerClass::Count));
 
@@ -306,10 +313,13 @@ at::native::ConvBackend native_backend(const Args& a);
 // 3-D layers only where the native path they would take is the one the GEMM kernels were measured
 // to beat (see kLayerClasses); native's Slow2d is itself im2col + GEMM.
 LayerClass gemm_class(const Args& a, const Expanded& e) {
+  // Measured for float32 / float64, and bfloat16 pointwise only (float16: not measured).
+  const auto dtype = a.grad_output.scalar_type();
+  bool pointwise = a.groups == 1;
+  for (int64_t i = 0; i < e.dims; ++i) pointwise &= a.weight.size(i + 2) == 1 && e.padding[i] == 0;
+  if (dtype == at::kHalf || (dtype == at::kBFloat16 && !pointwise)) return LayerClass::Dense;
   if (a.groups > 1) return LayerClass::GroupedGemm;
   const DirectProblem p = direct_problem(a, e);
-  bool pointwise = true;
-  for (int64_t i = 0; i < e.dims; ++i) pointwise &= a.weight.size(i + 2) == 1 && e.padding[i] == 0;
   if (pointwise) {
     return native_backend(a) == at::native::ConvBackend::Mkldnn ? LayerClass::Pointwise : LayerClass::Dense;
   }
