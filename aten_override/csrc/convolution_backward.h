@@ -33,7 +33,7 @@ void direct_grad_weight_cpu(
     const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, at::Tensor& grad_weight);
 
 // The GEMM kernels (cpu/gemm.cpp) for dense, large-group, pointwise and 3-D layers: grad_input and
-// grad_weight as at::mm / at::bmm products over a bounded workspace.
+// grad_weight as at::mm / at::addmm products over a bounded workspace, grouped layers group by group.
 enum class GemmAlgorithm : int {
   Im2col,  // columns gathered per chunk of output positions (views of input for 1x1 stride 1)
   Kn2row,  // one GEMM per kernel tap on shifted views; only where kn2row_applies()

@@ -1,11 +1,11 @@
 // The GEMM kernels of the compiled backend: grad_input and grad_weight of non-transposed
-// convolutions as matrix products (at::mm / at::bmm, so MKL or oneDNN), 1-D/2-D/3-D, any stride,
-// padding and dilation, grouped layers as a batch of GEMMs over the groups. With grad_output of group
-// g as the matrix go[g] (C_out / groups, positions):
+// convolutions as matrix products (at::mm / at::addmm, so MKL or oneDNN), 1-D/2-D/3-D, any stride,
+// padding and dilation; grouped layers group by group (channel slices, see kGroupWorkspaceBytes).
+// With grad_output as the matrix go (C_out, positions):
 //
-// Im2col: per chunk of output positions, columns col[g] ((C_in / groups) * taps, positions) gathered
-//   from input (zeros where a tap reads padding); grad_weight[g] += go[g] @ col[g]^T, then the same
-//   buffer takes col[g] = weight[g]^T @ go[g], added back into grad_input (col2im). A chunk is a set
+// Im2col: per chunk of output positions, columns col (C_in * taps, positions) gathered from input
+//   (zeros where a tap reads padding); grad_weight += go @ col^T, then the same buffer takes
+//   col = weight^T @ go, added back into grad_input (col2im). A chunk is a set
 //   of whole samples (folded into the GEMM's inner dim) or a run of output rows of one sample, sized
 //   so the workspace (columns plus a grad_output copy) stays under kWorkspaceBytes: never a full
 //   N x C_in * taps x positions buffer. Pointwise layers (1x1, stride 1, no padding) use input and
@@ -299,25 +299,18 @@ void with_w_stride(const DirectProblem& p, F f) {
   }
 }
 
-// out (G, M, N) = a (G, M, K) @ b (G, K, N), or out += a @ b; G == 1 uses the 2-D ops (no batch loop).
-void gemm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
-  if (out.size(0) == 1) {
-    at::Tensor o = out.select(0, 0);
-    if (accumulate) {
-      o.addmm_(a.select(0, 0), b.select(0, 0));
-    } else {
-      at::mm_out(o, a.select(0, 0), b.select(0, 0));
-    }
-  } else if (accumulate) {
-    const_cast<at::Tensor&>(out).baddbmm_(a, b);
+// out = a @ b, or out += a @ b, in place (out may be a strided view: BLAS takes its row stride).
+void gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  if (accumulate) {
+    out.addmm_(a, b);
   } else {
-    at::bmm_out(const_cast<at::Tensor&>(out), a, b);
+    at::mm_out(out, a, b);
   }
 }
 
-// One sample's (or grad_input's) channels as (groups, channels per group, positions).
-at::Tensor grouped(const at::Tensor& sample, int64_t groups) {
-  return sample.view({groups, sample.size(0) / groups, -1});
+// One sample's channels as a (channels, positions) matrix.
+at::Tensor matrix(const at::Tensor& sample) {
+  return sample.view({sample.size(0), -1});
 }
 
 // Buffers reused by the chunks of a call (and by the groups of a grouped layer).
@@ -330,12 +323,14 @@ struct Workspace {
   }
 };
 
-// grad_input / grad_weight (either may be undefined) of go's dtype. Each sample of go, x, gi is a
-// contiguous block (the tensors may be channel slices of larger ones); w and gw are contiguous.
+// grad_input / grad_weight (either may be undefined) of go's dtype, for one group (p.groups == 1).
+// Each sample of go, x, gi is a contiguous block (the tensors may be channel slices of larger ones);
+// w and gw are contiguous.
 void im2col_backward(
     const DirectProblem& p, const at::Tensor& go, const at::Tensor& x, const at::Tensor& w, at::Tensor gi,
     at::Tensor gw, int64_t budget, Workspace& ws) {
-  const int64_t G = p.groups, c_in = G * p.in_per_group, c_out = G * p.out_per_group, taps = numel3(p.kernel);
+  TORCH_INTERNAL_ASSERT(p.groups == 1);
+  const int64_t c_in = p.in_per_group, c_out = p.out_per_group, taps = numel3(p.kernel);
   const int64_t width = p.out[2], sample = numel3(p.out);
   const bool views = column_views(p);
   const std::vector<Chunk> chunks = im2col_plan(p, go.element_size(), budget);
@@ -345,24 +340,24 @@ void im2col_backward(
   const at::Tensor go_ws = chunks.size() < static_cast<size_t>(p.batch)
       ? ws.get(ws.grad_output, c_out * max_columns, go.options())
       : at::Tensor();
-  // weight^T: (G, C_in / G * taps, C_out / G).
-  const at::Tensor w_t = gi.defined() ? w.view({G, p.out_per_group, -1}).transpose(1, 2) : at::Tensor();
-  const at::Tensor gw3 = gw.defined() ? gw.view({G, p.out_per_group, -1}) : at::Tensor();
+  const at::Tensor w_t = gi.defined() ? w.view({c_out, -1}).t() : at::Tensor();  // (C_in * taps, C_out)
+  const at::Tensor gw2 = gw.defined() ? gw.view({c_out, -1}) : at::Tensor();
   bool first = true;
   for (const Chunk& c : chunks) {
     const int64_t columns = c.samples() * c.rows() * width, first_column = c.row_begin * width;
     const bool whole = c.rows() == p.out[0] * p.out[1];
-    at::Tensor go_c;  // (G, C_out / G, columns)
+    at::Tensor go_c;  // (C_out, columns)
     if (c.samples() == 1) {
-      go_c = grouped(go[c.n_begin].view({c_out, -1}), G).narrow(2, first_column, columns);
+      go_c = matrix(go[c.n_begin]).narrow(1, first_column, columns);
     } else {
       go_c = go_ws.narrow(0, 0, c_out * columns).view({c_out, c.samples(), sample});
       go_c.copy_(go.narrow(0, c.n_begin, c.samples()).view({c.samples(), c_out, sample}).transpose(0, 1));
-      go_c = grouped(go_c, G);
+      go_c = go_c.view({c_out, columns});
     }
+    // (C_in * taps, columns)
     at::Tensor col = views
-        ? (gw.defined() ? grouped(x[c.n_begin].view({c_in, -1}), G).narrow(2, first_column, columns) : at::Tensor())
-        : grouped(col_ws.narrow(0, 0, c_in * taps * columns).view({c_in * taps, columns}), G);
+        ? (gw.defined() ? matrix(x[c.n_begin]).narrow(1, first_column, columns) : at::Tensor())
+        : col_ws.narrow(0, 0, c_in * taps * columns).view({c_in * taps, columns});
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, go.scalar_type(), "gemm_im2col_cpu", [&] {
       if (gw.defined()) {
         if (!views) {
@@ -372,11 +367,11 @@ void im2col_backward(
                 p, x.const_data_ptr<scalar_t>(), x.stride(0), c, col.mutable_data_ptr<scalar_t>());
           });
         }
-        gemm(gw3, go_c, col.transpose(1, 2), /*accumulate=*/!first);
+        gemm(gw2, go_c, col.t(), /*accumulate=*/!first);
       }
       if (gi.defined()) {
         if (views) {
-          gemm(grouped(gi[c.n_begin].view({c_in, -1}), G).narrow(2, first_column, columns), w_t, go_c, false);
+          gemm(matrix(gi[c.n_begin]).narrow(1, first_column, columns), w_t, go_c, false);
         } else {
           gemm(col, w_t, go_c, false);
           with_w_stride(p, [&](auto stride) {
@@ -391,24 +386,6 @@ void im2col_backward(
   }
 }
 
-// Grouped layers group by group (each a slice of the channels, see kGroupWorkspaceBytes).
-void im2col_groups(
-    const DirectProblem& p, const at::Tensor& go, const at::Tensor& x, const at::Tensor& w, const at::Tensor& gi,
-    const at::Tensor& gw) {
-  Workspace ws;
-  if (p.groups == 1) return im2col_backward(p, go, x, w, gi, gw, kWorkspaceBytes, ws);
-  DirectProblem group = p;
-  group.groups = 1;
-  const auto slice = [](const at::Tensor& t, int64_t dim, int64_t g, int64_t size) {
-    return t.defined() ? t.narrow(dim, g * size, size) : t;
-  };
-  const int64_t c_in = p.in_per_group, c_out = p.out_per_group;
-  for (int64_t g = 0; g < p.groups; ++g) {
-    im2col_backward(
-        group, slice(go, 1, g, c_out), slice(x, 1, g, c_in), slice(w, 0, g, c_out), slice(gi, 1, g, c_in),
-        slice(gw, 0, g, c_out), kGroupWorkspaceBytes, ws);
-  }
-}
 
 // The one dim with more than one tap (kn2row_applies() holds).
 int kn2row_dim(const DirectProblem& p) {
@@ -418,36 +395,36 @@ int kn2row_dim(const DirectProblem& p) {
   return 2;
 }
 
+// Kn2row for one group (p.groups == 1); tensors as for im2col_backward.
 void kn2row_backward(
     const DirectProblem& p, const at::Tensor& go, const at::Tensor& x, const at::Tensor& w, at::Tensor gi,
     at::Tensor gw) {
+  TORCH_INTERNAL_ASSERT(p.groups == 1);
   const int d = kn2row_dim(p);
-  const int64_t G = p.groups, taps = p.kernel[d], in_len = p.in[d], out_len = p.out[d];
+  const int64_t taps = p.kernel[d], in_len = p.in[d], out_len = p.out[d];
   int64_t inner = 1;  // positions per index of dim d: the dims after it, 1x1 with stride 1
   for (int i = d + 1; i < 3; ++i) inner *= p.in[i];
-  const int64_t c_in = G * p.in_per_group, c_out = G * p.out_per_group;
-  // weight^T per tap: (taps, G, C_in / G, C_out / G).
-  const at::Tensor w_t = gi.defined()
-      ? w.view({G, p.out_per_group, p.in_per_group, taps}).permute({3, 0, 2, 1}).contiguous()
-      : at::Tensor();
-  at::Tensor acc = gw.defined() ? at::zeros({taps, G, p.out_per_group, p.in_per_group}, go.options()) : at::Tensor();
+  const int64_t c_in = p.in_per_group, c_out = p.out_per_group;
+  // weight^T per tap: (taps, C_in, C_out).
+  const at::Tensor w_t = gi.defined() ? w.view({c_out, c_in, taps}).permute({2, 1, 0}).contiguous() : at::Tensor();
+  at::Tensor acc = gw.defined() ? at::zeros({taps, c_out, c_in}, go.options()) : at::Tensor();
   if (gi.defined()) gi.zero_();
   for (int64_t n = 0; n < p.batch; ++n) {
-    const at::Tensor go_n = grouped(go[n].view({c_out, -1}), G);
-    const at::Tensor x_n = gw.defined() ? grouped(x[n].view({c_in, -1}), G) : at::Tensor();
-    const at::Tensor gi_n = gi.defined() ? grouped(gi[n].view({c_in, -1}), G) : at::Tensor();
+    const at::Tensor go_n = matrix(go[n]);
+    const at::Tensor x_n = gw.defined() ? matrix(x[n]) : at::Tensor();
+    const at::Tensor gi_n = gi.defined() ? matrix(gi[n]) : at::Tensor();
     for (int64_t k = 0; k < taps; ++k) {
       // output index o reads input index o + shift; both in range for o in [o_begin, o_end).
       const int64_t shift = k * p.dilation[d] - p.padding[d];
       const int64_t o_begin = std::max<int64_t>(0, -shift), o_end = std::min(out_len, in_len - shift);
       if (o_end <= o_begin) continue;
       const int64_t columns = (o_end - o_begin) * inner;
-      const at::Tensor go_v = go_n.narrow(2, o_begin * inner, columns);
-      if (gw.defined()) gemm(acc[k], go_v, x_n.narrow(2, (o_begin + shift) * inner, columns).transpose(1, 2), true);
-      if (gi.defined()) gemm(gi_n.narrow(2, (o_begin + shift) * inner, columns), w_t[k], go_v, true);
+      const at::Tensor go_v = go_n.narrow(1, o_begin * inner, columns);
+      if (gw.defined()) gemm(acc[k], go_v, x_n.narrow(1, (o_begin + shift) * inner, columns).t(), true);
+      if (gi.defined()) gemm(gi_n.narrow(1, (o_begin + shift) * inner, columns), w_t[k], go_v, true);
     }
   }
-  if (gw.defined()) gw.view({G, p.out_per_group, p.in_per_group, taps}).copy_(acc.permute({1, 2, 3, 0}));
+  if (gw.defined()) gw.view({c_out, c_in, taps}).copy_(acc.permute({1, 2, 0}));
 }
 
 bool reduced(at::ScalarType t) {
@@ -491,10 +468,22 @@ void gemm_backward_cpu(
   at::Tensor gi, gw;
   if (grad_input) gi = compute == dtype ? *grad_input : at::empty(grad_input->sizes(), go.options());
   if (grad_weight) gw = compute == dtype ? *grad_weight : at::empty(grad_weight->sizes(), go.options());
-  if (algorithm == GemmAlgorithm::Kn2row) {
-    kn2row_backward(p, go, x, w, gi, gw);
-  } else {
-    im2col_groups(p, go, x, w, gi, gw);
+  // Group by group, each group's tensors a slice of the channels (see kGroupWorkspaceBytes).
+  DirectProblem group = p;
+  group.groups = 1;
+  const auto slice = [](const at::Tensor& t, int64_t dim, int64_t g, int64_t size) {
+    return t.defined() ? t.narrow(dim, g * size, size) : t;
+  };
+  Workspace ws;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t c_in = p.in_per_group, c_out = p.out_per_group;
+    const at::Tensor go_g = slice(go, 1, g, c_out), x_g = slice(x, 1, g, c_in), w_g = slice(w, 0, g, c_out);
+    const at::Tensor gi_g = slice(gi, 1, g, c_in), gw_g = slice(gw, 0, g, c_out);
+    if (algorithm == GemmAlgorithm::Kn2row) {
+      kn2row_backward(group, go_g, x_g, w_g, gi_g, gw_g);
+    } else {
+      im2col_backward(group, go_g, x_g, w_g, gi_g, gw_g, p.groups > 1 ? kGroupWorkspaceBytes : kWorkspaceBytes, ws);
+    }
   }
   if (grad_input && compute != dtype) grad_input->copy_(gi);
   if (grad_weight && compute != dtype) grad_weight->copy_(gw);
