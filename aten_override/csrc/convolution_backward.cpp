@@ -79,8 +79,9 @@ constexpr LayerClassInfo kLayerClasses[] = {
     {"no-output-channels", "native", "C_out == 0: nothing to compute; native's result (use native)"},
     {"pointwise", "gemm",
      "1x1, no padding, groups == 1, where native picks oneDNN: its backward reaches 4-17% of peak (bfloat16 "
-     "4% of AMX); plain GEMMs on input / grad_input views (strided: one gather), bfloat16 in one AMX GEMM; "
-     "measured 0.3-0.5x native (ResNet-50). Where native picks Slow2d (itself GEMMs) it stays dense: 1.03x"},
+     "4% of AMX); plain GEMMs on input / grad_input views (strided: one gather); measured 0.26-0.5x native "
+     "(ResNet-50). bfloat16 only where the whole batch is one AMX GEMM per output (in float32 it measured "
+     "1.3-1.6x). Where native picks Slow2d (itself GEMMs) it stays dense: 1.03x"},
     {"grouped-gemm", "gemm",
      "float32 / float64, 1 < groups < C_in with (C_in / groups) * (C_out / groups) > 64 (ResNeXt layer2-4): "
      "native's oneDNN reaches 8-12% of peak; im2col + GEMM group by group in L2-sized chunks, measured 0.87x "
@@ -313,13 +314,18 @@ at::native::ConvBackend native_backend(const Args& a);
 // 3-D layers only where the native path they would take is the one the GEMM kernels were measured
 // to beat (see kLayerClasses); native's Slow2d is itself im2col + GEMM.
 LayerClass gemm_class(const Args& a, const Expanded& e) {
-  // Measured for float32 / float64, and bfloat16 pointwise only (float16: not measured).
+  // Measured for float32 / float64, and for bfloat16 pointwise layers computed in bfloat16 (in float32
+  // they lose to native's oneDNN); float16: not measured.
   const auto dtype = a.grad_output.scalar_type();
+  const DirectProblem p = direct_problem(a, e);
   bool pointwise = a.groups == 1;
   for (int64_t i = 0; i < e.dims; ++i) pointwise &= a.weight.size(i + 2) == 1 && e.padding[i] == 0;
-  if (dtype == at::kHalf || (dtype == at::kBFloat16 && !pointwise)) return LayerClass::Dense;
+  if (dtype == at::kHalf) return LayerClass::Dense;
+  if (dtype == at::kBFloat16 &&
+      !(pointwise && gemm_keeps_reduced_dtype(GemmAlgorithm::Im2col, p, a.grad_output.element_size()))) {
+    return LayerClass::Dense;
+  }
   if (a.groups > 1) return LayerClass::GroupedGemm;
-  const DirectProblem p = direct_problem(a, e);
   if (pointwise) {
     return native_backend(a) == at::native::ConvBackend::Mkldnn ? LayerClass::Pointwise : LayerClass::Dense;
   }

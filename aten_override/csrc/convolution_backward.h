@@ -43,11 +43,16 @@ enum class GemmAlgorithm : int {
 // without padding and the dims before it of size 1 (3x1x1 3-D layers, (k, 1) 2-D and all 1-D layers).
 bool kn2row_applies(const DirectProblem& p);
 
+// Whether gemm_backward_cpu computes a float16 / bfloat16 problem in its own dtype, each output one
+// oneDNN GEMM that accumulates in float32 and rounds once (pointwise layers whose whole batch fits one
+// workspace chunk), rather than in float32 on float32 copies.
+bool gemm_keeps_reduced_dtype(GemmAlgorithm algorithm, const DirectProblem& p, int64_t element_size);
+
 // grad_input (N, C_in, *in) and / or grad_weight (C_out, C_in / groups, *kernel) (nullptr: not
 // wanted) of the contiguous NC(D)HW grad_output, input (undefined when grad_weight is not wanted) and
 // weight (undefined when grad_input is not wanted), all of one floating dtype; the
-// outputs are contiguous and every element is written. float16 / bfloat16 compute in float32 (see
-// gemm.cpp for the one exception, which still accumulates in float32).
+// outputs are contiguous and every element is written. float16 / bfloat16 compute in float32 but
+// where gemm_keeps_reduced_dtype().
 void gemm_backward_cpu(
     GemmAlgorithm algorithm, const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight);

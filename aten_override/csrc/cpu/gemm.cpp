@@ -452,15 +452,18 @@ bool kn2row_applies(const DirectProblem& p) {
   return wide == 1;
 }
 
+bool gemm_keeps_reduced_dtype(GemmAlgorithm algorithm, const DirectProblem& p, int64_t element_size) {
+  // Each output is then one oneDNN GEMM, accumulated in float32 and rounded once.
+  return algorithm == GemmAlgorithm::Im2col && p.groups == 1 && pointwise(p) &&
+      im2col_plan(p, element_size, kWorkspaceBytes).size() == 1;
+}
+
 void gemm_backward_cpu(
     GemmAlgorithm algorithm, const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight) {
   TORCH_INTERNAL_ASSERT(algorithm != GemmAlgorithm::Kn2row || kn2row_applies(p));
   const at::ScalarType dtype = grad_output.scalar_type();
-  // Reduced dtypes compute in float32, but for pointwise layers whose whole batch is one chunk: each
-  // output is then one oneDNN GEMM, accumulated in float32 and rounded once.
-  const bool compute_in_dtype = !reduced(dtype) ||
-      (algorithm == GemmAlgorithm::Im2col && pointwise(p) && im2col_plan(p, grad_output.element_size(), kWorkspaceBytes).size() == 1);
+  const bool compute_in_dtype = !reduced(dtype) || gemm_keeps_reduced_dtype(algorithm, p, grad_output.element_size());
   const at::ScalarType compute = compute_in_dtype ? dtype : at::kFloat;
   // input is only read for grad_weight, weight only for grad_input: either may be undefined.
   const at::Tensor go = grad_output.to(compute);
