@@ -109,6 +109,11 @@ constexpr int64_t kDirectMaxChannelPairs = 64;
 // native's time.
 constexpr int64_t kDirectMinPlane = 64;
 
+// Fewest grad_output elements for which the pointwise / 3-D GEMM classes ask which path native would
+// take (select_conv_backend, about 1 us a call): smaller layers stay dense, there is nothing to gain
+// from GEMMs that small, and the per-call cost on tiny convolutions stays that of the dense class.
+constexpr int64_t kGemmMinOutputs = 512;
+
 // --- counters (merged into aten_override.stats()) ----------------------------------------------
 
 struct Counters {
@@ -326,6 +331,7 @@ LayerClass gemm_class(const Args& a, const Expanded& e) {
     return LayerClass::Dense;
   }
   if (a.groups > 1) return LayerClass::GroupedGemm;
+  if ((pointwise || e.dims == 3) && a.grad_output.numel() < kGemmMinOutputs) return LayerClass::Dense;
   if (pointwise) {
     return native_backend(a) == at::native::ConvBackend::Mkldnn ? LayerClass::Pointwise : LayerClass::Dense;
   }

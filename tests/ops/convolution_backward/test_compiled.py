@@ -460,7 +460,7 @@ GEMM_CASES = {
     # 1x1 stride 1, 24x24 = 576 positions per sample: input / grad_input used in place (views).
     "pointwise,views": GemmCase("pointwise", 8, 6, (24, 24), (1, 1), (1, 1), (0, 0), native="Mkldnn"),
     # 1x1 stride 2: a strided gather; the batch folded into one GEMM.
-    "pointwise,s2": GemmCase("pointwise", 8, 6, (9, 9), (1, 1), (2, 2), (0, 0), native="Mkldnn"),
+    "pointwise,s2": GemmCase("pointwise", 8, 6, (19, 19), (1, 1), (2, 2), (0, 0), native="Mkldnn"),
     # 1x1 stride 1, small samples: folded (copies).
     "pointwise,folded": GemmCase("pointwise", 8, 6, (10, 10), (1, 1), (1, 1), (0, 0), batch=3, native="Mkldnn"),
     # (C_in / groups) * (C_out / groups) = 81 > 64: im2col per group, samples folded / whole / row chunks.
@@ -547,6 +547,14 @@ def test_gemm_classes_leave_unmeasured_dtypes_to_native(name, dtype):
     """float16 and bfloat16 layers stay "dense" but bfloat16 pointwise layers whose batch is one GEMM
     (pointwise,views: one GEMM per sample, which would need float32): not measured faster than native."""
     args = GEMM_CASES[name].args(dtype)
+    assert compiled.layer_class(args) == "dense"
+
+
+def test_tiny_pointwise_and_3d_layers_stay_dense():
+    """Under 512 grad_output elements the GEMM classes do not ask native's path: dense."""
+    case = dataclasses.replace(GEMM_CASES["pointwise,s2"], spatial=(9, 9))  # 2 x 6 x 5 x 5 = 300
+    args = case.args()
+    assert native_backend(args) == "Mkldnn" and args.grad_output.numel() < 512
     assert compiled.layer_class(args) == "dense"
 
 
