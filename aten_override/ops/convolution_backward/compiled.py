@@ -25,9 +25,11 @@ dense                native   dense 1-D/2-D layers, and what the GEMM classes be
                               native is near the hardware limit there, or as fast
 transposed           native   no compiled kernel yet
 no-output-channels   native   ``C_out == 0``
-pointwise            gemm     1x1, no padding, ``groups == 1``, where native picks oneDNN (its backward
+pointwise            gemm     1x1, no padding, ``groups == 1``, at least 512 grad_output elements
+                              (smaller pointwise and 3-D layers: dense), where native picks oneDNN (its backward
                               reaches 4-17% of peak): plain GEMMs on views (``csrc/cpu/gemm.cpp``);
-                              bfloat16 in one AMX GEMM. Where native picks Slow2d (itself GEMMs): dense
+                              bfloat16 only where each output is one AMX GEMM (the batch fits one
+                              chunk). Where native picks Slow2d (itself GEMMs): dense
 grouped-gemm         gemm     float32/float64, ``1 < groups < C_in`` with more than 64 channel pairs per
                               group (ResNeXt layer2-4): im2col + GEMM group by group
 kn2row-3d            gemm     3-D, ``groups == 1``, stride 1, taps in one dim (3x1x1), where native picks
