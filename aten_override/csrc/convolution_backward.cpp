@@ -43,6 +43,11 @@ enum class LayerClass : int {
   Dense,
   Transposed,
   NoOutputChannels,
+  Pointwise,
+  GroupedGemm,
+  Kn2row3d,
+  Im2col3d,
+  Kn2row,
   Count
 };
 
@@ -68,9 +73,30 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "depthwise / grouped / one-channel with under 64 output elements per channel (MobileNetV2's 7x7 stages): the "
      "direct kernel's per-plane overhead loses to native there (use native)"},
     {"dense", "native",
-     "dense and large-group layers: native's oneDNN / GEMM paths are near the hardware limit (use native)"},
+     "dense 1-D / 2-D layers, and the layers the GEMM classes below leave to native (float16; bfloat16 but "
+     "pointwise; pointwise and 3-D layers native does not send to oneDNN / Slow3d): native's oneDNN / GEMM "
+     "paths are near the hardware limit there, or as fast (use native)"},
     {"transposed", "native", "transposed layers: no compiled kernel yet; native's oneDNN paths serve them (use native)"},
     {"no-output-channels", "native", "C_out == 0: nothing to compute; native's result (use native)"},
+    {"pointwise", "gemm",
+     "1x1, no padding, groups == 1, where native picks oneDNN: its backward reaches 4-17% of peak (bfloat16 "
+     "4% of AMX); plain GEMMs on input / grad_input views (strided: one gather); measured 0.26-0.5x native "
+     "(ResNet-50). bfloat16 only where the whole batch is one AMX GEMM per output (in float32 it measured "
+     "1.3-1.6x). Where native picks Slow2d (itself GEMMs) it stays dense: 1.03x"},
+    {"grouped-gemm", "gemm",
+     "float32 / float64, 1 < groups < C_in with (C_in / groups) * (C_out / groups) > 64 (ResNeXt layer2-4): "
+     "native's oneDNN reaches 8-12% of peak; im2col + GEMM group by group in L2-sized chunks, measured 0.87x "
+     "(bfloat16 stays dense: computed in float32 it measured 1.8x native's time and memory)"},
+    {"kn2row-3d", "gemm",
+     "3-D, groups == 1, stride 1, taps in one dim only (R(2+1)D's 3x1x1), where native picks Slow3d (7% of "
+     "peak): one GEMM per tap on shifted views, no copies; measured 0.35-0.38x native"},
+    {"im2col-3d", "gemm",
+     "other 3-D layers with groups == 1 where native picks Slow3d (C3D's first layer: 6% of peak): vol2col + "
+     "GEMM in bounded chunks, measured 0.30-0.33x. Where native picks oneDNN (near the limit: 43-57% of peak, "
+     "ResNet3D-18) it stays dense: vol2col + GEMM measured 1.2x"},
+    {"kn2row", "native",
+     "1-D / 2-D, groups == 1, stride 1, taps in one dim only (HiFi-GAN's k7 d3): kn2row measured 1.08-1.14x "
+     "native, whose oneDNN path runs at MKL's GEMM rate there (use native)"},
 };
 static_assert(sizeof(kLayerClasses) / sizeof(kLayerClasses[0]) == static_cast<size_t>(LayerClass::Count));
 
@@ -83,6 +109,11 @@ constexpr int64_t kDirectMaxChannelPairs = 64;
 // (packing, zeroing, tap blocks) dominates; measured on MobileNetV2's 7x7 depthwise stage at ~2x
 // native's time.
 constexpr int64_t kDirectMinPlane = 64;
+
+// Fewest grad_output elements for which the pointwise / 3-D GEMM classes ask which path native would
+// take (select_conv_backend, about 1 us a call): smaller layers stay dense, there is nothing to gain
+// from GEMMs that small, and the per-call cost on tiny convolutions stays that of the dense class.
+constexpr int64_t kGemmMinOutputs = 512;
 
 // --- counters (merged into aten_override.stats()) ----------------------------------------------
 
@@ -321,6 +352,36 @@ std::optional<std::string> unsupported_reason(const at::Tensor& go, const at::Te
   return std::nullopt;
 }
 
+DirectProblem direct_problem(const Args& a, const Expanded& e);
+at::native::ConvBackend native_backend(const Args& a);
+
+// The GEMM class of a dense or large-group layer (not transposed, C_out > 0), or Dense. Pointwise and
+// 3-D layers only where the native path they would take is the one the GEMM kernels were measured
+// to beat (see kLayerClasses); native's Slow2d is itself im2col + GEMM.
+LayerClass gemm_class(const Args& a, const Expanded& e) {
+  // Measured for float32 / float64, and for bfloat16 pointwise layers computed in bfloat16 (in float32
+  // they lose to native's oneDNN); float16: not measured.
+  const auto dtype = a.grad_output.scalar_type();
+  const DirectProblem p = direct_problem(a, e);
+  bool pointwise = a.groups == 1;
+  for (int64_t i = 0; i < e.dims; ++i) pointwise &= a.weight.size(i + 2) == 1 && e.padding[i] == 0;
+  if (dtype == at::kHalf) return LayerClass::Dense;
+  if (dtype == at::kBFloat16 &&
+      !(pointwise && gemm_keeps_reduced_dtype(GemmAlgorithm::Im2col, p, a.grad_output.element_size()))) {
+    return LayerClass::Dense;
+  }
+  if (a.groups > 1) return LayerClass::GroupedGemm;
+  if ((pointwise || e.dims == 3) && a.grad_output.numel() < kGemmMinOutputs) return LayerClass::Dense;
+  if (pointwise) {
+    return native_backend(a) == at::native::ConvBackend::Mkldnn ? LayerClass::Pointwise : LayerClass::Dense;
+  }
+  if (e.dims == 3) {
+    if (native_backend(a) != at::native::ConvBackend::Slow3d) return LayerClass::Dense;
+    return kn2row_applies(p) ? LayerClass::Kn2row3d : LayerClass::Im2col3d;
+  }
+  return kn2row_applies(p) ? LayerClass::Kn2row : LayerClass::Dense;
+}
+
 LayerClass classify(const Args& a, const Expanded& e) {
   if (a.input.size(0) == 0 || e.c_in == 0) return LayerClass::Empty;
   if (a.transposed) return LayerClass::Transposed;
@@ -335,6 +396,7 @@ LayerClass classify(const Args& a, const Expanded& e) {
     direct = LayerClass::Grouped;
   }
   if (direct != LayerClass::Dense && a.grad_output[0][0].numel() < kDirectMinPlane) return LayerClass::SmallPlanes;
+  if (direct == LayerClass::Dense) return gemm_class(a, e);
   return direct;
 }
 
@@ -376,13 +438,18 @@ struct OutputLayout {
   at::native::ConvBackend backend;
 };
 
-OutputLayout output_layout(const Args& a) {
+// The backend at::native::convolution_backward picks for the call.
+at::native::ConvBackend native_backend(const Args& a) {
   c10::AutoGradMode grad_mode(true);  // need_backward, as at::native::convolution_backward sees it
-  const auto backend = at::native::select_conv_backend(
+  return at::native::select_conv_backend(
       a.input, a.weight, std::nullopt, c10::fromIntArrayRefSlow(a.stride), c10::fromIntArrayRefSlow(a.padding),
       c10::fromIntArrayRefSlow(a.dilation), a.transposed, c10::fromIntArrayRefSlow(a.output_padding),
       c10::SymInt(a.groups),
       a.bias_sizes.has_value() ? at::OptionalSymIntArrayRef(c10::fromIntArrayRefSlow(*a.bias_sizes)) : std::nullopt);
+}
+
+OutputLayout output_layout(const Args& a) {
+  const auto backend = native_backend(a);
   if (a.weight.dim() == 3) {
     // Only the strides of input.contiguous() matter; a fresh contiguous tensor of its sizes has them
     // (and works for stride-0 placeholders without materialising them).
@@ -488,6 +555,31 @@ Result direct_backward(const Args& a, const Expanded& e) {
   return {gi, gw, gb};
 }
 
+// The GEMM kernels' result, in upstream's layout.
+Result gemm_backward(const Args& a, const Expanded& e, GemmAlgorithm algorithm) {
+  const OutputLayout layout = output_layout(a);
+  at::Tensor gi, gw, gb, gi_buffer, gw_buffer;
+  const auto contiguous_buffer = [](const at::Tensor& out) {
+    return out.is_contiguous() ? out : at::empty(out.sizes(), out.options().memory_format(at::MemoryFormat::Contiguous));
+  };
+  if (a.output_mask[0]) {
+    gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt);
+    gi_buffer = contiguous_buffer(gi);
+  }
+  if (a.output_mask[1]) {
+    gw = empty_like_native_weight(a.weight, layout);
+    gw_buffer = contiguous_buffer(gw);
+  }
+  gemm_backward_cpu(
+      algorithm, direct_problem(a, e), a.grad_output.contiguous(),
+      a.output_mask[1] ? a.input.contiguous() : at::Tensor(), a.output_mask[0] ? a.weight.contiguous() : at::Tensor(),
+      a.output_mask[0] ? &gi_buffer : nullptr, a.output_mask[1] ? &gw_buffer : nullptr);
+  if (a.output_mask[0] && !gi_buffer.is_same(gi)) gi.copy_(gi_buffer);
+  if (a.output_mask[1] && !gw_buffer.is_same(gw)) gw.copy_(gw_buffer);
+  if (a.output_mask[2]) gb = grad_bias(a.grad_output);
+  return {gi, gw, gb};
+}
+
 // The compiled backend's result for a call it serves (unsupported_reason() was nullopt).
 Result compiled_backward(const Args& a) {
   const Expanded e = check_args(a);
@@ -500,20 +592,28 @@ Result compiled_backward(const Args& a) {
     case LayerClass::Grouped:
     case LayerClass::OneChannel:
       if (direct_kernel_serves(cls, a.grad_output)) return direct_backward(a, e);
-      [[fallthrough]];  // CUDA: no kernel of ours for this class (or CUDA kernels disabled): native
+      break;  // CUDA: no kernel of ours for this class (or CUDA kernels disabled): native
+    case LayerClass::Pointwise:
+    case LayerClass::GroupedGemm:
+    case LayerClass::Im2col3d:
+      if (a.grad_output.is_cpu()) return gemm_backward(a, e, GemmAlgorithm::Im2col);
+      break;  // the GEMM kernels are CPU only
+    case LayerClass::Kn2row3d:
+      if (a.grad_output.is_cpu()) return gemm_backward(a, e, GemmAlgorithm::Kn2row);
+      break;
     case LayerClass::SmallPlanes:
+    case LayerClass::Kn2row:
     case LayerClass::Dense:
     case LayerClass::Transposed:
-    case LayerClass::NoOutputChannels: {
-      // Some native paths compute (and return) outputs the mask did not ask for: drop them.
-      auto [gi, gw, gb] = call_original(a);
-      return {a.output_mask[0] ? gi : at::Tensor(), a.output_mask[1] ? gw : at::Tensor(),
-              a.output_mask[2] ? gb : at::Tensor()};
-    }
-    case LayerClass::Count:
+    case LayerClass::NoOutputChannels:
       break;
+    case LayerClass::Count:
+      TORCH_INTERNAL_ASSERT(false, "convolution_backward[compiled]: unhandled layer class ", static_cast<int>(cls));
   }
-  TORCH_INTERNAL_ASSERT(false, "convolution_backward[compiled]: unhandled layer class ", static_cast<int>(cls));
+  // Native by choice. Some native paths compute (and return) outputs the mask did not ask for: drop them.
+  auto [gi, gw, gb] = call_original(a);
+  return {a.output_mask[0] ? gi : at::Tensor(), a.output_mask[1] ? gw : at::Tensor(),
+          a.output_mask[2] ? gb : at::Tensor()};
 }
 
 // --- the registered kernel ---------------------------------------------------------------------

@@ -41,4 +41,29 @@ void direct_grad_input_cuda(
 void direct_grad_weight_cuda(
     const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, at::Tensor& grad_weight);
 
+// The GEMM kernels (cpu/gemm.cpp) for dense, large-group, pointwise and 3-D layers: grad_input and
+// grad_weight as at::mm / at::addmm products over a bounded workspace, grouped layers group by group.
+enum class GemmAlgorithm : int {
+  Im2col,  // columns gathered per chunk of output positions (views of input for 1x1 stride 1)
+  Kn2row,  // one GEMM per kernel tap on shifted views; only where kn2row_applies()
+};
+
+// Whether Kn2row can compute p: stride 1, more than one tap in exactly one dim, the dims after it 1x1
+// without padding and the dims before it of size 1 (3x1x1 3-D layers, (k, 1) 2-D and all 1-D layers).
+bool kn2row_applies(const DirectProblem& p);
+
+// Whether gemm_backward_cpu computes a float16 / bfloat16 problem in its own dtype, each output one
+// oneDNN GEMM that accumulates in float32 and rounds once (pointwise layers whose whole batch fits one
+// workspace chunk), rather than in float32 on float32 copies.
+bool gemm_keeps_reduced_dtype(GemmAlgorithm algorithm, const DirectProblem& p, int64_t element_size);
+
+// grad_input (N, C_in, *in) and / or grad_weight (C_out, C_in / groups, *kernel) (nullptr: not
+// wanted) of the contiguous NC(D)HW grad_output, input (undefined when grad_weight is not wanted) and
+// weight (undefined when grad_input is not wanted), all of one floating dtype; the
+// outputs are contiguous and every element is written. float16 / bfloat16 compute in float32 but
+// where gemm_keeps_reduced_dtype().
+void gemm_backward_cpu(
+    GemmAlgorithm algorithm, const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight);
+
 }  // namespace aten_override

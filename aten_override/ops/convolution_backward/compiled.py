@@ -21,9 +21,23 @@ grouped              direct   ``1 < groups < C_in``, ``(C_in/groups)*(C_out/grou
 one-channel          direct   ``groups == 1, C_in == 1`` (wav2vec2's first layer)
 small-planes         native   one of the three above with under 64 output elements per channel
                               (MobileNetV2's 7x7 stages): the direct kernel's per-plane cost loses there
-dense                native   native's oneDNN / GEMM paths are near the hardware limit
+dense                native   dense 1-D/2-D layers, and what the GEMM classes below leave to native:
+                              native is near the hardware limit there, or as fast
 transposed           native   no compiled kernel yet
 no-output-channels   native   ``C_out == 0``
+pointwise            gemm     1x1, no padding, ``groups == 1``, at least 512 grad_output elements
+                              (smaller pointwise and 3-D layers: dense), where native picks oneDNN (its backward
+                              reaches 4-17% of peak): plain GEMMs on views (``csrc/cpu/gemm.cpp``);
+                              bfloat16 only where each output is one AMX GEMM (the batch fits one
+                              chunk). Where native picks Slow2d (itself GEMMs): dense
+grouped-gemm         gemm     float32/float64, ``1 < groups < C_in`` with more than 64 channel pairs per
+                              group (ResNeXt layer2-4): im2col + GEMM group by group
+kn2row-3d            gemm     3-D, ``groups == 1``, stride 1, taps in one dim (3x1x1), where native picks
+                              Slow3d: one GEMM per tap on shifted views, no copies
+im2col-3d            gemm     other 3-D ``groups == 1`` layers where native picks Slow3d: vol2col + GEMM
+                              in chunks bounded by an 8 MiB workspace
+kn2row               native   1-D/2-D ``groups == 1``, stride 1, taps in one dim: kn2row measured no
+                              faster than native's oneDNN there
 ==================== ======== =================================================================
 
 "native" is a deliberate choice, not a fallback: the call is counted as served by the compiled
@@ -32,7 +46,8 @@ layouts, CUDA tensors unless the CUDA kernels are enabled) runs the original ker
 recorded in :func:`aten_override.stats`.
 
 float16 / bfloat16 accumulate in float32; the direct kernel does not use atomics and its result
-does not depend on the thread count.
+does not depend on the thread count. The GEMM kernels use no atomics either (two runs give the same
+bits); their sums go through MKL / oneDNN.
 
 CUDA: when torch has CUDA, ``setup.py`` also builds ``csrc/cuda/direct.cu``, the direct kernel of the
 **depthwise** class for CUDA tensors (grad_input: one thread per input element; grad_weight: per-block

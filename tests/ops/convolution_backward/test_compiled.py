@@ -71,6 +71,11 @@ TRANSPOSED_GEOMETRIES = [
 ]
 # Large enough for 64 output elements per channel in every geometry (fewer: class "small-planes").
 SPATIAL = {1: [200], 2: [22, 21], 3: [9, 10, 12]}
+# Cases of the "dense" layer that a GEMM class claims: (dims, geometry, dtype) -> class.
+DENSE_CLAIMED = {
+    (1, "k3,p1", torch.float32): "kn2row",  # stride 1, taps in one dim (served by native)
+    (3, "k3,s2", torch.float64): "im2col-3d",  # native picks Slow3d for float64 3-D
+}
 
 
 def make_args(
@@ -217,7 +222,10 @@ def test_matches_original(layer, geometry, dims, dtype, memory_format, output_ma
     args = make_args(layer, geometry, dims, dtype, memory_format, output_mask)
     aten_override.reset_stats()
     ours = run_compiled(args)
-    assert_compiled_served(layer.layer_class)
+    expected = layer.layer_class
+    if layer.layer_class == "dense":
+        expected = DENSE_CLAIMED.get((dims, geometry.name, dtype), "dense")
+    assert_compiled_served(expected)
     assert_matches_original(args, ours)
 
 
@@ -406,12 +414,148 @@ def test_small_planes_go_to_native():
 def test_layer_class_table_matches_docs():
     names = [row[0] for row in compiled.LAYER_CLASSES]
     assert names == [
-        "empty", "depthwise", "grouped", "one-channel", "small-planes", "dense", "transposed", "no-output-channels"
+        "empty", "depthwise", "grouped", "one-channel", "small-planes", "dense", "transposed", "no-output-channels",
+        "pointwise", "grouped-gemm", "kn2row-3d", "im2col-3d", "kn2row",
     ]
     for name, kernel, _ in compiled.LAYER_CLASSES:
-        assert f"{name} " in compiled.__doc__ and kernel in ("direct", "zeros", "native")
+        assert f"{name} " in compiled.__doc__ and kernel in ("direct", "gemm", "zeros", "native")
     args = make_args(LAYERS["grouped"], GEOMETRIES[0], 2)
     assert compiled.layer_class(args) == "grouped"
+
+
+# --- the GEMM classes (cpu/gemm.cpp) -----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmCase:
+    """A layer one GEMM class claims; ``native`` is the backend native picks, which the class depends on."""
+
+    layer_class: str
+    c_in: int
+    c_out: int
+    spatial: tuple
+    kernel: tuple
+    stride: tuple
+    padding: tuple
+    groups: int = 1
+    batch: int = 2
+    native: str = ""
+
+    def args(self, dtype=torch.float32, memory_format=torch.contiguous_format, output_mask=(True, True, True)):
+        g = torch.Generator().manual_seed(0)
+        out = [(i + 2 * p - (k - 1) - 1) // s + 1 for i, k, s, p in zip(self.spatial, self.kernel, self.stride, self.padding)]
+
+        def rand(*shape):
+            t = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+            return t.contiguous(memory_format=memory_format) if memory_format is not torch.contiguous_format else t
+
+        return ConvolutionBackwardArgs(
+            rand(self.batch, self.c_out, *out), rand(self.batch, self.c_in, *self.spatial),
+            rand(self.c_out, self.c_in // self.groups, *self.kernel), [self.c_out], list(self.stride),
+            list(self.padding), [1] * len(self.kernel), False, [0] * len(self.kernel), self.groups, list(output_mask),
+        )
+
+
+GEMM_CASES = {
+    # 1x1 stride 1, 24x24 = 576 positions per sample: input / grad_input used in place (views).
+    "pointwise,views": GemmCase("pointwise", 8, 6, (24, 24), (1, 1), (1, 1), (0, 0), native="Mkldnn"),
+    # 1x1 stride 2: a strided gather; the batch folded into one GEMM.
+    "pointwise,s2": GemmCase("pointwise", 8, 6, (19, 19), (1, 1), (2, 2), (0, 0), native="Mkldnn"),
+    # 1x1 stride 1, small samples: folded (copies).
+    "pointwise,folded": GemmCase("pointwise", 8, 6, (10, 10), (1, 1), (1, 1), (0, 0), batch=3, native="Mkldnn"),
+    # (C_in / groups) * (C_out / groups) = 81 > 64: im2col per group, samples folded / whole / row chunks.
+    "grouped-gemm": GemmCase("grouped-gemm", 18, 18, (11, 12), (3, 3), (2, 2), (1, 1), groups=2),
+    "grouped-gemm,whole": GemmCase("grouped-gemm", 18, 18, (24, 25), (3, 3), (1, 1), (1, 1), groups=2),
+    "grouped-gemm,rows": GemmCase("grouped-gemm", 18, 18, (60, 61), (3, 3), (1, 1), (1, 1), groups=2, batch=1),
+    # native picks Slow3d for float32 3-D with batch 1.
+    "kn2row-3d": GemmCase("kn2row-3d", 4, 5, (6, 7, 8), (3, 1, 1), (1, 1, 1), (1, 0, 0), batch=1, native="Slow3d"),
+    "im2col-3d": GemmCase("im2col-3d", 4, 5, (6, 7, 8), (3, 2, 3), (1, 2, 1), (1, 0, 2), batch=1, native="Slow3d"),
+    # 3 x 27 rows x 25600 positions (9 MB) exceed the 8 MiB workspace: chunks of output rows.
+    "im2col-3d,rows": GemmCase("im2col-3d", 3, 8, (16, 40, 40), (3, 3, 3), (1, 1, 1), (1, 1, 1), batch=1, native="Slow3d"),
+    "kn2row": GemmCase("kn2row", 4, 5, (50,), (7,), (1,), (9,)),
+}
+
+
+def native_backend(args: ConvolutionBackwardArgs) -> str:
+    a = args
+    backend = torch._C._select_conv_backend(
+        a.input, a.weight, None, a.stride, a.padding, a.dilation, a.transposed, a.output_padding, a.groups, None
+    )
+    return backend.name
+
+
+def _gemm_cases():
+    cases = []
+    for name, case in GEMM_CASES.items():
+        cases.append(pytest.param(name, torch.float32, torch.contiguous_format, (True, True, True), id=name))
+    for name in ("pointwise,views", "pointwise,s2", "grouped-gemm", "kn2row-3d", "im2col-3d"):
+        fmt = torch.channels_last_3d if "3d" in name else torch.channels_last
+        cases.append(pytest.param(name, torch.float32, fmt, (True, True, True), id=f"{name},{_fmt_name(fmt)}"))
+        cases.append(pytest.param(name, torch.float64, torch.contiguous_format, (True, True, True), id=f"{name},float64"))
+        for mask in ALL_MASKS:
+            if mask != (True, True, True):
+                cases.append(
+                    pytest.param(name, torch.float32, torch.contiguous_format, mask, id=f"{name},{_mask_name(mask)}")
+                )
+    cases.append(pytest.param("pointwise,s2", torch.bfloat16, torch.contiguous_format, (True,) * 3, id="pointwise,s2,bfloat16"))
+    return cases
+
+
+@pytest.mark.parametrize("name,dtype,memory_format,output_mask", _gemm_cases())
+def test_gemm_class_matches_original(name, dtype, memory_format, output_mask):
+    """Each GEMM class serves the layers it claims, with the original kernel's values (within twice its
+    error in float32 / bfloat16), None pattern, dtypes and exact strides."""
+    case = GEMM_CASES[name]
+    args = case.args(dtype, memory_format, output_mask)
+    # The class depends on native's choice: it takes over oneDNN's pointwise and Slow3d's 3-D layers;
+    # others (float64 pointwise: Slow2d; bfloat16 on a CPU without oneDNN bfloat16) stay dense.
+    if case.native and dtype is torch.float32:
+        assert native_backend(args) == case.native, "native changed its backend; revisit the GEMM classes"
+    expected = case.layer_class if not case.native or native_backend(args) == case.native else "dense"
+    assert compiled.layer_class(args) == expected
+    aten_override.reset_stats()
+    ours = run_compiled(args)
+    assert_compiled_served(expected)
+    assert_matches_original(args, ours)
+
+
+@pytest.mark.parametrize("name", ["pointwise,views", "grouped-gemm", "kn2row-3d", "im2col-3d"])
+def test_gemm_expanded_grad_output_and_deterministic(name):
+    """A stride-0 (expanded) grad_output and transposed-stride input give native's values; two runs
+    give the same bits; no input is changed."""
+    case = GEMM_CASES[name]
+    args = case.args()
+    go = args.grad_output[:, :, ..., :1].expand(args.grad_output.shape)
+    x = args.input.transpose(-1, -2).contiguous().transpose(-1, -2)
+    args = dataclasses.replace(args, grad_output=go, input=x)
+    before = [t.clone() for t in (go, x, args.weight)]
+    aten_override.reset_stats()
+    first, again = run_compiled(args), run_compiled(args)
+    assert_compiled_served(case.layer_class, calls=2)
+    assert_matches_original(args, first)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    for t, b in zip((go, x, args.weight), before):
+        assert torch.equal(t, b)
+
+
+@pytest.mark.parametrize(
+    "name,dtype",
+    [("grouped-gemm", torch.bfloat16), ("im2col-3d", torch.float16), ("pointwise,views", torch.bfloat16)],
+)
+def test_gemm_classes_leave_unmeasured_dtypes_to_native(name, dtype):
+    """float16 and bfloat16 layers stay "dense" but bfloat16 pointwise layers whose batch is one GEMM
+    (pointwise,views: one GEMM per sample, which would need float32): not measured faster than native."""
+    args = GEMM_CASES[name].args(dtype)
+    assert compiled.layer_class(args) == "dense"
+
+
+def test_tiny_pointwise_and_3d_layers_stay_dense():
+    """Under 512 grad_output elements the GEMM classes do not ask native's path: dense."""
+    case = dataclasses.replace(GEMM_CASES["pointwise,s2"], spatial=(9, 9))  # 2 x 6 x 5 x 5 = 300
+    args = case.args()
+    assert native_backend(args) == "Mkldnn" and args.grad_output.numel() < 512
+    assert compiled.layer_class(args) == "dense"
 
 
 @pytest.mark.parametrize("name", ["depthwise", "one-channel"])

@@ -1,0 +1,495 @@
+// The GEMM kernels of the compiled backend: grad_input and grad_weight of non-transposed
+// convolutions as matrix products (at::mm / at::addmm, so MKL or oneDNN), 1-D/2-D/3-D, any stride,
+// padding and dilation; grouped layers group by group (channel slices, see kGroupWorkspaceBytes).
+// With grad_output as the matrix go (C_out, positions):
+//
+// Im2col: per chunk of output positions, columns col (C_in * taps, positions) gathered from input
+//   (zeros where a tap reads padding); grad_weight += go @ col^T, then the same buffer takes
+//   col = weight^T @ go, added back into grad_input (col2im). A chunk is a set
+//   of whole samples (folded into the GEMM's inner dim) or a run of output rows of one sample, sized
+//   so the workspace (columns plus a grad_output copy) stays under kWorkspaceBytes: never a full
+//   N x C_in * taps x positions buffer. Pointwise layers (1x1, stride 1, no padding) use input and
+//   grad_input themselves as the columns, views with no copy, whenever a chunk is one sample.
+// Kn2row: kernels with more than one tap in a single dim (a 3x1x1 temporal layer, a 1-D layer), stride
+//   1: per tap, one GEMM on shifted views of input / grad_input (no copy at all):
+//   grad_weight[:, :, tap] += go @ input_shifted^T, grad_input_shifted += weight[:, :, tap]^T @ go.
+//
+// Every output element is written by one GEMM call or one thread of col2im, in a fixed order: no
+// atomics, and two runs give the same bits. float16 / bfloat16: the GEMMs run in float32 on float32
+// copies, except pointwise layers whose batch fits one chunk, where each output is the result of a
+// single oneDNN GEMM (AMX) that accumulates in float32 and rounds once, like native.
+#include "../convolution_backward.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+namespace aten_override {
+namespace {
+
+// Bound on the columns plus grad_output copy of one chunk. Below native's own peak on the layers the
+// GEMM classes serve (native allocates 15-110 MB there), so peak memory stays within 1.2x native.
+constexpr int64_t kWorkspaceBytes = int64_t{8} << 20;
+
+// Grouped layers run group by group, with chunks this small: a group's GEMMs are small, and its
+// columns then stay in the L2 cache from im2col through both GEMMs to col2im (measured on ResNeXt's
+// g=32 layers: all groups at once in 8 MiB chunks ran at native's speed, memory-bound).
+constexpr int64_t kGroupWorkspaceBytes = int64_t{1} << 20;
+
+// Samples with at least this many output positions are one chunk each (or several): the GEMMs are
+// wide enough on their own, and pointwise layers then need no copy. Smaller samples are folded.
+constexpr int64_t kMinSampleColumns = 512;
+
+int64_t numel3(const std::array<int64_t, 3>& a) {
+  return a[0] * a[1] * a[2];
+}
+
+bool pointwise(const DirectProblem& p) {
+  for (int i = 0; i < 3; ++i) {
+    if (p.kernel[i] != 1 || p.padding[i] != 0) return false;
+  }
+  return true;
+}
+
+// Pointwise with stride 1: the columns are input itself.
+bool identity_columns(const DirectProblem& p) {
+  return pointwise(p) && p.stride[0] == 1 && p.stride[1] == 1 && p.stride[2] == 1;
+}
+
+// Output positions: rows [row_begin, row_end) (a row is one (t, h) of grad_output, out[2] positions
+// long) of samples [n_begin, n_end). Several samples only ever come with all their rows.
+struct Chunk {
+  int64_t n_begin, n_end, row_begin, row_end;
+  int64_t samples() const {
+    return n_end - n_begin;
+  }
+  int64_t rows() const {
+    return row_end - row_begin;
+  }
+};
+
+std::vector<Chunk> plan_chunks(const DirectProblem& p, int64_t bytes_per_column, int64_t budget) {
+  const int64_t rows = p.out[0] * p.out[1], width = p.out[2], sample = rows * width;
+  const int64_t max_columns = bytes_per_column == 0
+      ? sample
+      : std::max(width, budget / bytes_per_column);
+  std::vector<Chunk> chunks;
+  if (sample <= max_columns) {
+    const int64_t samples = sample >= kMinSampleColumns ? 1 : std::max<int64_t>(1, max_columns / sample);
+    for (int64_t n = 0; n < p.batch; n += samples) chunks.push_back({n, std::min(n + samples, p.batch), 0, rows});
+  } else {
+    const int64_t rows_per_chunk = std::max<int64_t>(1, max_columns / width);
+    for (int64_t n = 0; n < p.batch; ++n) {
+      for (int64_t r = 0; r < rows; r += rows_per_chunk) chunks.push_back({n, n + 1, r, std::min(r + rows_per_chunk, rows)});
+    }
+  }
+  return chunks;
+}
+
+// Whether im2col_backward reads input and grad_input in place, with no columns.
+bool column_views(const DirectProblem& p) {
+  return identity_columns(p) && numel3(p.out) >= kMinSampleColumns;
+}
+
+// im2col_backward's chunks for elements of `element_size` bytes and a workspace of `budget` bytes.
+std::vector<Chunk> im2col_plan(const DirectProblem& p, int64_t element_size, int64_t budget) {
+  const int64_t columns_rows = p.groups * p.in_per_group * numel3(p.kernel), go_rows = p.groups * p.out_per_group;
+  return plan_chunks(p, column_views(p) ? 0 : (columns_rows + go_rows) * element_size, budget);
+}
+
+// A kernel tap's walk along W: output position w reads input column w * stride + offset, inside
+// the input for w in [lo, hi).
+struct WTap {
+  int64_t offset, lo, hi;
+};
+
+std::vector<WTap> w_taps(const DirectProblem& p) {
+  std::vector<WTap> taps;
+  const int64_t stride = p.stride[2], in = p.in[2], width = p.out[2];
+  for (int64_t kw = 0; kw < p.kernel[2]; ++kw) {
+    const int64_t offset = kw * p.dilation[2] - p.padding[2];
+    const int64_t hi = in - 1 - offset < 0 ? 0 : std::min(width, (in - 1 - offset) / stride + 1);
+    const int64_t lo = std::min(hi, offset >= 0 ? int64_t{0} : (-offset + stride - 1) / stride);
+    taps.push_back({offset, lo, hi});
+  }
+  return taps;
+}
+
+// Calls f(tap, row, in_row, w_tap) for the rows [row_begin, row_end) of one sample (a row is one
+// (t, h) of grad_output; `row` counts from row_begin) and every kernel tap, taps inner: in_row is
+// the offset in an input plane of the input row (t, h) the tap reads, or -1 where it reads padding.
+template <typename F>
+inline void for_each_row_tap(
+    const DirectProblem& p, int64_t row_begin, int64_t row_end, const std::vector<WTap>& wt, F f) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const int64_t t = r / p.out[1], h = r % p.out[1];
+    int64_t tap = 0;
+    for (int64_t kt = 0; kt < p.kernel[0]; ++kt) {
+      const int64_t it = t * p.stride[0] - p.padding[0] + kt * p.dilation[0];
+      for (int64_t kh = 0; kh < p.kernel[1]; ++kh) {
+        const int64_t ih = h * p.stride[1] - p.padding[1] + kh * p.dilation[1];
+        const bool inside = it >= 0 && it < p.in[0] && ih >= 0 && ih < p.in[1];
+        const int64_t in_row = inside ? (it * p.in[1] + ih) * p.in[2] : -1;
+        for (const WTap& w : wt) f(tap++, r - row_begin, in_row, w);
+      }
+    }
+  }
+}
+
+// col[(c * taps + tap) * columns + j] = input at output position j of the chunk through tap, 0 in
+// padding. One thread per channel (its taps' rows). S: the W stride when known at compile time, else 0.
+template <int64_t S, typename scalar_t>
+void im2col(const DirectProblem& p, const scalar_t* input, int64_t sample_stride, const Chunk& c, scalar_t* col) {
+  const int64_t channels = p.groups * p.in_per_group, taps = numel3(p.kernel), width = p.out[2];
+  const int64_t columns = c.samples() * c.rows() * width, plane = numel3(p.in);
+  const int64_t sw = S ? S : p.stride[2];
+  const std::vector<WTap> wt = w_taps(p);
+  at::parallel_for(0, channels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t ci = begin; ci < end; ++ci) {
+      for (int64_t n = c.n_begin; n < c.n_end; ++n) {
+        const scalar_t* src_plane = input + n * sample_stride + ci * plane;
+        scalar_t* dst_sample = col + ci * taps * columns + (n - c.n_begin) * c.rows() * width;
+        for_each_row_tap(p, c.row_begin, c.row_end, wt, [&](int64_t tap, int64_t row, int64_t in_row, const WTap& w) {
+          scalar_t* dst = dst_sample + tap * columns + row * width;
+          if (in_row < 0) {
+            std::fill(dst, dst + width, scalar_t(0));
+            return;
+          }
+          const scalar_t* src = src_plane + in_row + w.offset;
+          std::fill(dst, dst + w.lo, scalar_t(0));
+          for (int64_t j = w.lo; j < w.hi; ++j) dst[j] = src[j * sw];
+          std::fill(dst + w.hi, dst + width, scalar_t(0));
+        });
+      }
+    }
+  });
+}
+
+// grad_input += col scattered back (the adjoint of im2col); a sample's planes are zeroed first by the
+// chunk holding its first row. One thread per (sample, channel) plane, taps and positions in a fixed
+// order.
+template <int64_t S, typename scalar_t>
+void col2im(
+    const DirectProblem& p, const scalar_t* col, const Chunk& c, scalar_t* grad_input, int64_t sample_stride) {
+  const int64_t channels = p.groups * p.in_per_group, taps = numel3(p.kernel), width = p.out[2];
+  const int64_t columns = c.samples() * c.rows() * width, plane = numel3(p.in);
+  const int64_t sw = S ? S : p.stride[2];
+  const std::vector<WTap> wt = w_taps(p);
+  at::parallel_for(0, c.samples() * channels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = c.n_begin + item / channels, ci = item % channels;
+      scalar_t* dst_plane = grad_input + n * sample_stride + ci * plane;
+      if (c.row_begin == 0) std::fill(dst_plane, dst_plane + plane, scalar_t(0));
+      const scalar_t* src_sample = col + ci * taps * columns + (n - c.n_begin) * c.rows() * width;
+      for_each_row_tap(p, c.row_begin, c.row_end, wt, [&](int64_t tap, int64_t row, int64_t in_row, const WTap& w) {
+        if (in_row < 0) return;
+        const scalar_t* src = src_sample + tap * columns + row * width;
+        scalar_t* dst = dst_plane + in_row + w.offset;
+        for (int64_t j = w.lo; j < w.hi; ++j) dst[j * sw] += src[j];
+      });
+    }
+  });
+}
+
+// Whole samples (every row of the chunk's samples) go through a zero-padded copy of each input plane,
+// so that every tap reads in bounds: no per-row range checks, which dominate on short rows (ResNeXt's
+// 14-wide stages). Padded by `padding` on each side, every tap of every output position is inside.
+std::array<int64_t, 3> padded_sizes(const DirectProblem& p) {
+  return {p.in[0] + 2 * p.padding[0], p.in[1] + 2 * p.padding[1], p.in[2] + 2 * p.padding[2]};
+}
+
+// Calls f(tap, offset) for every tap, offset: the padded-plane offset of the tap's read for output
+// position (0, 0, 0); output position (t, h, w) reads offset + ((t * st) * hp + h * sh) * wp + w * sw.
+template <typename F>
+inline void for_each_padded_tap(const DirectProblem& p, F f) {
+  const auto ps = padded_sizes(p);
+  int64_t tap = 0;
+  for (int64_t kt = 0; kt < p.kernel[0]; ++kt) {
+    for (int64_t kh = 0; kh < p.kernel[1]; ++kh) {
+      for (int64_t kw = 0; kw < p.kernel[2]; ++kw) {
+        f(tap++, ((kt * p.dilation[0]) * ps[1] + kh * p.dilation[1]) * ps[2] + kw * p.dilation[2]);
+      }
+    }
+  }
+}
+
+// Copies a (T, H, W) plane into the interior of a zeroed padded plane, or back (to_padded false).
+template <typename scalar_t>
+void copy_padded(const DirectProblem& p, scalar_t* padded, scalar_t* plane, bool to_padded) {
+  const auto ps = padded_sizes(p);
+  for (int64_t t = 0; t < p.in[0]; ++t) {
+    for (int64_t h = 0; h < p.in[1]; ++h) {
+      scalar_t* row = padded + ((t + p.padding[0]) * ps[1] + h + p.padding[1]) * ps[2] + p.padding[2];
+      scalar_t* in_row = plane + (t * p.in[1] + h) * p.in[2];
+      if (to_padded) {
+        std::copy(in_row, in_row + p.in[2], row);
+      } else {
+        std::copy(row, row + p.in[2], in_row);
+      }
+    }
+  }
+}
+
+// im2col / col2im of whole samples through padded planes: for sample n and channel ci, calls
+// row(dst_or_src column row, padded row) for every tap and output row.
+template <typename scalar_t, typename F>
+inline void walk_padded(const DirectProblem& p, scalar_t* col_sample, int64_t columns, scalar_t* padded, F row) {
+  const auto ps = padded_sizes(p);
+  const int64_t width = p.out[2];
+  for_each_padded_tap(p, [&](int64_t tap, int64_t offset) {
+    scalar_t* c = col_sample + tap * columns;
+    for (int64_t t = 0; t < p.out[0]; ++t) {
+      for (int64_t h = 0; h < p.out[1]; ++h, c += width) {
+        row(c, padded + offset + (t * p.stride[0] * ps[1] + h * p.stride[1]) * ps[2]);
+      }
+    }
+  });
+}
+
+template <int64_t S, typename scalar_t>
+void im2col_padded(
+    const DirectProblem& p, const scalar_t* input, int64_t sample_stride, const Chunk& c, scalar_t* col) {
+  const int64_t channels = p.groups * p.in_per_group, taps = numel3(p.kernel), width = p.out[2];
+  const int64_t columns = c.samples() * numel3(p.out), plane = numel3(p.in), sw = S ? S : p.stride[2];
+  at::parallel_for(0, channels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> padded(numel3(padded_sizes(p)), scalar_t(0));
+    for (int64_t ci = begin; ci < end; ++ci) {
+      for (int64_t n = c.n_begin; n < c.n_end; ++n) {
+        copy_padded(p, padded.data(), const_cast<scalar_t*>(input + n * sample_stride + ci * plane), true);
+        scalar_t* col_sample = col + ci * taps * columns + (n - c.n_begin) * numel3(p.out);
+        walk_padded(p, col_sample, columns, padded.data(), [&](scalar_t* dst, const scalar_t* src) {
+          for (int64_t j = 0; j < width; ++j) dst[j] = src[j * sw];
+        });
+      }
+    }
+  });
+}
+
+template <int64_t S, typename scalar_t>
+void col2im_padded(
+    const DirectProblem& p, const scalar_t* col, const Chunk& c, scalar_t* grad_input, int64_t sample_stride) {
+  const int64_t channels = p.groups * p.in_per_group, taps = numel3(p.kernel), width = p.out[2];
+  const int64_t columns = c.samples() * numel3(p.out), plane = numel3(p.in), sw = S ? S : p.stride[2];
+  at::parallel_for(0, c.samples() * channels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> padded(numel3(padded_sizes(p)));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = c.n_begin + item / channels, ci = item % channels;
+      std::fill(padded.begin(), padded.end(), scalar_t(0));
+      scalar_t* col_sample = const_cast<scalar_t*>(col) + ci * taps * columns + (n - c.n_begin) * numel3(p.out);
+      walk_padded(p, col_sample, columns, padded.data(), [&](const scalar_t* src, scalar_t* dst) {
+        for (int64_t j = 0; j < width; ++j) dst[j * sw] += src[j];
+      });
+      copy_padded(p, padded.data(), grad_input + n * sample_stride + ci * plane, false);
+    }
+  });
+}
+
+// f.template operator()<S>() with S the W stride of p when it is 1 or 2 (so the row loops are
+// compiled for it), else 0.
+template <typename F>
+void with_w_stride(const DirectProblem& p, F f) {
+  switch (p.stride[2]) {
+    case 1: return f(std::integral_constant<int64_t, 1>());
+    case 2: return f(std::integral_constant<int64_t, 2>());
+    default: return f(std::integral_constant<int64_t, 0>());
+  }
+}
+
+// out = a @ b, or out += a @ b, in place (out may be a strided view: BLAS takes its row stride).
+void gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  if (accumulate) {
+    out.addmm_(a, b);
+  } else {
+    at::mm_out(out, a, b);
+  }
+}
+
+// One sample's channels as a (channels, positions) matrix.
+at::Tensor matrix(const at::Tensor& sample) {
+  return sample.view({sample.size(0), -1});
+}
+
+// Buffers reused by the chunks of a call (and by the groups of a grouped layer).
+struct Workspace {
+  at::Tensor columns, grad_output;
+  // The first `numel` elements of `buffer`, (re)allocated when it is smaller.
+  at::Tensor get(at::Tensor& buffer, int64_t numel, const at::TensorOptions& options) {
+    if (!buffer.defined() || buffer.numel() < numel) buffer = at::empty({numel}, options);
+    return buffer.narrow(0, 0, numel);
+  }
+};
+
+// grad_input / grad_weight (either may be undefined) of go's dtype, for one group (p.groups == 1).
+// Each sample of go, x, gi is a contiguous block (the tensors may be channel slices of larger ones);
+// w and gw are contiguous.
+void im2col_backward(
+    const DirectProblem& p, const at::Tensor& go, const at::Tensor& x, const at::Tensor& w, at::Tensor gi,
+    at::Tensor gw, int64_t budget, Workspace& ws) {
+  TORCH_INTERNAL_ASSERT(p.groups == 1);
+  const int64_t c_in = p.in_per_group, c_out = p.out_per_group, taps = numel3(p.kernel);
+  const int64_t width = p.out[2], sample = numel3(p.out);
+  const bool views = column_views(p);
+  const std::vector<Chunk> chunks = im2col_plan(p, go.element_size(), budget);
+  int64_t max_columns = 0;
+  for (const auto& c : chunks) max_columns = std::max(max_columns, c.samples() * c.rows() * width);
+  const at::Tensor col_ws = views ? at::Tensor() : ws.get(ws.columns, c_in * taps * max_columns, go.options());
+  const at::Tensor go_ws = chunks.size() < static_cast<size_t>(p.batch)
+      ? ws.get(ws.grad_output, c_out * max_columns, go.options())
+      : at::Tensor();
+  const at::Tensor w_t = gi.defined() ? w.view({c_out, -1}).t() : at::Tensor();  // (C_in * taps, C_out)
+  const at::Tensor gw2 = gw.defined() ? gw.view({c_out, -1}) : at::Tensor();
+  bool first = true;
+  for (const Chunk& c : chunks) {
+    const int64_t columns = c.samples() * c.rows() * width, first_column = c.row_begin * width;
+    const bool whole = c.rows() == p.out[0] * p.out[1];
+    at::Tensor go_c;  // (C_out, columns)
+    if (c.samples() == 1) {
+      go_c = matrix(go[c.n_begin]).narrow(1, first_column, columns);
+    } else {
+      go_c = go_ws.narrow(0, 0, c_out * columns).view({c_out, c.samples(), sample});
+      go_c.copy_(go.narrow(0, c.n_begin, c.samples()).view({c.samples(), c_out, sample}).transpose(0, 1));
+      go_c = go_c.view({c_out, columns});
+    }
+    // (C_in * taps, columns)
+    at::Tensor col = views
+        ? (gw.defined() ? matrix(x[c.n_begin]).narrow(1, first_column, columns) : at::Tensor())
+        : col_ws.narrow(0, 0, c_in * taps * columns).view({c_in * taps, columns});
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, go.scalar_type(), "gemm_im2col_cpu", [&] {
+      if (gw.defined()) {
+        if (!views) {
+          with_w_stride(p, [&](auto stride) {
+            constexpr int64_t S = decltype(stride)::value;
+            (whole ? im2col_padded<S, scalar_t> : im2col<S, scalar_t>)(
+                p, x.const_data_ptr<scalar_t>(), x.stride(0), c, col.mutable_data_ptr<scalar_t>());
+          });
+        }
+        gemm(gw2, go_c, col.t(), /*accumulate=*/!first);
+      }
+      if (gi.defined()) {
+        if (views) {
+          gemm(matrix(gi[c.n_begin]).narrow(1, first_column, columns), w_t, go_c, false);
+        } else {
+          gemm(col, w_t, go_c, false);
+          with_w_stride(p, [&](auto stride) {
+            constexpr int64_t S = decltype(stride)::value;
+            (whole ? col2im_padded<S, scalar_t> : col2im<S, scalar_t>)(
+                p, col.const_data_ptr<scalar_t>(), c, gi.mutable_data_ptr<scalar_t>(), gi.stride(0));
+          });
+        }
+      }
+    });
+    first = false;
+  }
+}
+
+
+// The one dim with more than one tap (kn2row_applies() holds).
+int kn2row_dim(const DirectProblem& p) {
+  for (int i = 0; i < 3; ++i) {
+    if (p.kernel[i] > 1) return i;
+  }
+  return 2;
+}
+
+// Kn2row for one group (p.groups == 1); tensors as for im2col_backward.
+void kn2row_backward(
+    const DirectProblem& p, const at::Tensor& go, const at::Tensor& x, const at::Tensor& w, at::Tensor gi,
+    at::Tensor gw) {
+  TORCH_INTERNAL_ASSERT(p.groups == 1);
+  const int d = kn2row_dim(p);
+  const int64_t taps = p.kernel[d], in_len = p.in[d], out_len = p.out[d];
+  int64_t inner = 1;  // positions per index of dim d: the dims after it, 1x1 with stride 1
+  for (int i = d + 1; i < 3; ++i) inner *= p.in[i];
+  const int64_t c_in = p.in_per_group, c_out = p.out_per_group;
+  // weight^T per tap: (taps, C_in, C_out).
+  const at::Tensor w_t = gi.defined() ? w.view({c_out, c_in, taps}).permute({2, 1, 0}).contiguous() : at::Tensor();
+  at::Tensor acc = gw.defined() ? at::zeros({taps, c_out, c_in}, go.options()) : at::Tensor();
+  if (gi.defined()) gi.zero_();
+  for (int64_t n = 0; n < p.batch; ++n) {
+    const at::Tensor go_n = matrix(go[n]);
+    const at::Tensor x_n = gw.defined() ? matrix(x[n]) : at::Tensor();
+    const at::Tensor gi_n = gi.defined() ? matrix(gi[n]) : at::Tensor();
+    for (int64_t k = 0; k < taps; ++k) {
+      // output index o reads input index o + shift; both in range for o in [o_begin, o_end).
+      const int64_t shift = k * p.dilation[d] - p.padding[d];
+      const int64_t o_begin = std::max<int64_t>(0, -shift), o_end = std::min(out_len, in_len - shift);
+      if (o_end <= o_begin) continue;
+      const int64_t columns = (o_end - o_begin) * inner;
+      const at::Tensor go_v = go_n.narrow(1, o_begin * inner, columns);
+      if (gw.defined()) gemm(acc[k], go_v, x_n.narrow(1, (o_begin + shift) * inner, columns).t(), true);
+      if (gi.defined()) gemm(gi_n.narrow(1, (o_begin + shift) * inner, columns), w_t[k], go_v, true);
+    }
+  }
+  if (gw.defined()) gw.view({c_out, c_in, taps}).copy_(acc.permute({1, 2, 0}));
+}
+
+bool reduced(at::ScalarType t) {
+  return t == at::kHalf || t == at::kBFloat16;
+}
+
+}  // namespace
+
+bool kn2row_applies(const DirectProblem& p) {
+  int wide = 0;
+  for (int i = 0; i < 3; ++i) {
+    if (p.stride[i] != 1) return false;
+    if (p.kernel[i] > 1) {
+      if (wide++) return false;
+      continue;
+    }
+    if (p.padding[i] != 0) return false;
+    // A dim before the tap dim must be trivial, so that every shifted view is one strided matrix.
+    if (!wide && p.in[i] != 1) {
+      bool later = false;
+      for (int j = i + 1; j < 3; ++j) later |= p.kernel[j] > 1;
+      if (later) return false;
+    }
+  }
+  return wide == 1;
+}
+
+bool gemm_keeps_reduced_dtype(GemmAlgorithm algorithm, const DirectProblem& p, int64_t element_size) {
+  // Each output is then one oneDNN GEMM, accumulated in float32 and rounded once.
+  return algorithm == GemmAlgorithm::Im2col && p.groups == 1 && pointwise(p) &&
+      im2col_plan(p, element_size, kWorkspaceBytes).size() == 1;
+}
+
+void gemm_backward_cpu(
+    GemmAlgorithm algorithm, const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight) {
+  TORCH_INTERNAL_ASSERT(algorithm != GemmAlgorithm::Kn2row || kn2row_applies(p));
+  const at::ScalarType dtype = grad_output.scalar_type();
+  const bool compute_in_dtype = !reduced(dtype) || gemm_keeps_reduced_dtype(algorithm, p, grad_output.element_size());
+  const at::ScalarType compute = compute_in_dtype ? dtype : at::kFloat;
+  // input is only read for grad_weight, weight only for grad_input: either may be undefined.
+  const at::Tensor go = grad_output.to(compute);
+  const at::Tensor x = input.defined() ? input.to(compute) : input, w = weight.defined() ? weight.to(compute) : weight;
+  at::Tensor gi, gw;
+  if (grad_input) gi = compute == dtype ? *grad_input : at::empty(grad_input->sizes(), go.options());
+  if (grad_weight) gw = compute == dtype ? *grad_weight : at::empty(grad_weight->sizes(), go.options());
+  // Group by group, each group's tensors a slice of the channels (see kGroupWorkspaceBytes).
+  DirectProblem group = p;
+  group.groups = 1;
+  const auto slice = [](const at::Tensor& t, int64_t dim, int64_t g, int64_t size) {
+    return t.defined() ? t.narrow(dim, g * size, size) : t;
+  };
+  Workspace ws;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t c_in = p.in_per_group, c_out = p.out_per_group;
+    const at::Tensor go_g = slice(go, 1, g, c_out), x_g = slice(x, 1, g, c_in), w_g = slice(w, 0, g, c_out);
+    const at::Tensor gi_g = slice(gi, 1, g, c_in), gw_g = slice(gw, 0, g, c_out);
+    if (algorithm == GemmAlgorithm::Kn2row) {
+      kn2row_backward(group, go_g, x_g, w_g, gi_g, gw_g);
+    } else {
+      im2col_backward(group, go_g, x_g, w_g, gi_g, gw_g, p.groups > 1 ? kGroupWorkspaceBytes : kWorkspaceBytes, ws);
+    }
+  }
+  if (grad_input && compute != dtype) grad_input->copy_(gi);
+  if (grad_weight && compute != dtype) grad_weight->copy_(gw);
+}
+
+}  // namespace aten_override
