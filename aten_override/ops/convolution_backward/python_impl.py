@@ -20,6 +20,7 @@ strides (:func:`args.output_memory_format`); masked-out outputs are ``None`` and
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -42,6 +43,8 @@ NAME = "python"
 _IM2COL_CHUNK_ELEMENTS = 1 << 26
 
 _EMPTY_BACKENDS = {torch._C._ConvBackend.Empty, torch._C._ConvBackend.MkldnnEmpty}
+# oneDNN's convolution backends; 2.13's torch._C._ConvBackend has no member for 9 (MkldnnTranspose).
+_ONEDNN = frozenset({int(torch._C._ConvBackend.Mkldnn), 9})
 
 
 def unsupported_reason(args: ConvolutionBackwardArgs) -> str | None:
@@ -66,8 +69,21 @@ def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
     )
 
 
+def _bf16_on_onednn(t: torch.Tensor) -> bool:
+    """Whether bfloat16 work on ``t``'s device may run in bfloat16: oneDNN's convolutions and GEMMs
+    accumulate bfloat16 products in float32 and round once, as the native kernel does."""
+    return (
+        t.dtype == torch.bfloat16
+        and t.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
 def grad_input(a: ConvolutionBackwardArgs, go: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``(N, C_in, *spatial_in)`` in the compute dtype, any layout."""
+    """``(N, C_in, *spatial_in)``, any layout: in the compute dtype, or bfloat16 when the
+    convolution it takes runs on oneDNN (float32 accumulation, one rounding: the native numerics).
+    ``go`` and ``w`` in the input dtype."""
     spatial_in = a.input.shape[2:]
     if not a.transposed:
         # Transposed conv of grad_output; output_padding makes up for the rows the stride dropped.
@@ -77,9 +93,15 @@ def grad_input(a: ConvolutionBackwardArgs, go: torch.Tensor, w: torch.Tensor) ->
                 spatial_in, go.shape[2:], w.shape[2:], a.stride, a.padding, a.dilation
             )
         ]
-        return _conv(go, w, a.stride, a.padding, a.dilation, True, out_pad, a.groups)
-    gi = _conv(go, w, a.stride, a.padding, a.dilation, False, [0] * a.spatial_dims, a.groups)
-    # output_padding >= stride (allowed when dilation > output_padding) leaves extra rows: cut them.
+        params = (a.stride, a.padding, a.dilation, True, out_pad, a.groups)
+    else:
+        params = (a.stride, a.padding, a.dilation, False, [0] * a.spatial_dims, a.groups)
+    on_onednn = _bf16_on_onednn(go) and int(torch._C._select_conv_backend(go, w, None, *params, None)) in _ONEDNN
+    if not on_onednn:
+        cdtype = _compute_dtype(go.dtype)
+        go, w = go.to(cdtype), w.to(cdtype)
+    gi = _conv(go, w, *params)
+    # Transposed: output_padding >= stride (allowed when dilation > output_padding) leaves extra rows.
     for dim, size in enumerate(spatial_in, start=2):
         if gi.size(dim) != size:
             gi = gi.narrow(dim, 0, size)
@@ -94,27 +116,70 @@ def _weight_contraction(
     padding: list[int],
     dilation: list[int],
     groups: int,
+    reduced_gemm: bool,
 ) -> torch.Tensor:
     r"""``out[g, o, c, *kernel] = sum_{n, y} go[n, g*O+o, y] * x_pad[n, g*C+c, y*stride + kernel*dilation]``.
 
-    ``x``: ``(N, G*C, *spatial_x)``; ``go``: ``(N, G*O, *spatial_y)``. Returns ``(G*O, C, *kernel)``
-    in ``go``'s dtype. The im2col of ``x`` is materialised a batch chunk at a time.
+    ``x``: ``(N, G*C, *spatial_x)``; ``go``: ``(N, G*O, *spatial_y)``, both in the input dtype.
+    Returns ``(G*O, C, *kernel)`` in the compute dtype (float32 for float16/bfloat16), by the
+    formulation that suits the layer:
+
+    - depthwise (``C == O == 1``, 2-D/3-D): one depthwise convolution (:func:`_depthwise_weight_grad`);
+    - few input channels per tap (im2col smaller than ``kernel`` passes over ``grad_output``):
+      im2col + one batched GEMM (:func:`_im2col_weight_grad`);
+    - otherwise one batched GEMM per kernel tap on shifted windows (:func:`_shifted_window_weight_grad`),
+      in the input dtype when ``reduced_gemm`` (each output element is one GEMM's float32 sum).
     """
     n, gc = x.shape[:2]
-    go_channels = go.size(1)
-    c, o = gc // groups, go_channels // groups
+    c, o = gc // groups, go.size(1) // groups
+    cdtype = _compute_dtype(go.dtype)
+    if n == 0 or c == 0 or o == 0:
+        return torch.zeros(groups * o, c, *kernel, dtype=cdtype, device=go.device)
+    kk = math.prod(kernel)
+    if c == 1 and o == 1 and len(kernel) > 1:
+        return _depthwise_weight_grad(x.to(cdtype), go.to(cdtype), kernel, stride, padding, dilation)
+    # Memory passes per output point: im2col writes, permutes and reads C*K columns and reads O once;
+    # the shifted windows read O + C once per tap.
+    if 3 * c * kk + o < kk * (o + c):
+        return _im2col_weight_grad(x.to(cdtype), go.to(cdtype), kernel, stride, padding, dilation, groups)
+    dtype = go.dtype if reduced_gemm else cdtype
+    out = _shifted_window_weight_grad(x, go, kernel, stride, padding, dilation, groups, dtype)
+    return out.to(cdtype)
+
+
+def _depthwise_weight_grad(x, go, kernel, stride, padding, dilation) -> torch.Tensor:
+    r"""``C == O == 1`` per group: ``out[g, 0, *kernel] = sum_n (x_pad[n, g] ⋆ go[n, g])[kernel]``.
+
+    The weight gradient of a convolution is itself a convolution of ``input`` by ``grad_output``,
+    with stride and dilation exchanged. With one channel per group it is a depthwise convolution
+    with one group per (sample, channel): ``x`` as ``(1, N*G, *spatial_x)``, ``go`` as the weight
+    ``(N*G, 1, *spatial_y)`` (both views), summed over the batch afterwards. Its output can be
+    longer than ``kernel`` (rows the stride never reaches): those are cut.
+    """
+    n, channels = x.shape[:2]
+    out = _conv(
+        x.reshape(1, n * channels, *x.shape[2:]), go.reshape(n * channels, 1, *go.shape[2:]),
+        dilation, padding, stride, False, [0] * len(kernel), n * channels,
+    )
+    for dim, k in enumerate(kernel, start=2):
+        out = out.narrow(dim, 0, k)
+    return out.view(n, channels, 1, *kernel).sum(0)
+
+
+def _im2col_weight_grad(x, go, kernel, stride, padding, dilation, groups) -> torch.Tensor:
+    """An N-d im2col (an ``as_strided`` view of the zero-padded input) contracted with
+    ``grad_output`` by a batched GEMM over groups, a bounded batch chunk at a time."""
+    n, gc = x.shape[:2]
+    c, o = gc // groups, go.size(1) // groups
     spatial_y = list(go.shape[2:])
     kk, yy = math.prod(kernel), math.prod(spatial_y)
     out = torch.zeros(groups, o, c * kk, dtype=go.dtype, device=go.device)
-    if n == 0 or c == 0 or o == 0:
-        return out.view(groups * o, c, *kernel)
     pads = []
     for p in reversed(padding):
         pads += [p, p]
     xp = torch.nn.functional.pad(x, pads) if any(padding) else x
     sn, sc, *ss = xp.stride()
-    per_sample = gc * kk * yy
-    chunk = max(1, min(n, _IM2COL_CHUNK_ELEMENTS // max(per_sample, 1)))
+    chunk = max(1, min(n, _IM2COL_CHUNK_ELEMENTS // (gc * kk * yy)))
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
         cols = xp.as_strided(
@@ -129,13 +194,68 @@ def _weight_contraction(
     return out.view(groups * o, c, *kernel)
 
 
+def _shifted_window_weight_grad(x, go, kernel, stride, padding, dilation, groups, dtype) -> torch.Tensor:
+    r"""One batched GEMM over groups per kernel tap (kn2row), with no im2col.
+
+    Tap ``k`` reads ``x_pad`` at ``y*stride + k*dilation = (y + k*dilation // stride)*stride +
+    k*dilation % stride``: in the phase ``r = k*dilation % stride`` of ``x_pad`` (its points
+    ``r, r + stride, ...``) it is ``grad_output`` shifted by ``k*dilation // stride``. Every phase and
+    ``grad_output`` are laid out on one frame of ``q = spatial_y + largest shift`` points per dim,
+    ``grad_output`` zero beyond ``spatial_y``; flattened over ``(N, *q)`` each shift is a contiguous
+    window, and ``out[:, :, :, k] = go_frame @ window_k^T`` with ``(G, O, L) @ (G, L, C)``. The frame
+    points a window wraps onto meet the zeros of ``go_frame``. Works in ``dtype``; copies ``x`` and
+    ``grad_output`` once each (into ``dtype``).
+    """
+    n, gc = x.shape[:2]
+    c, o = gc // groups, go.size(1) // groups
+    dims = len(kernel)
+    spatial_y = list(go.shape[2:])
+    shifts = [[i * d // s for i in range(k)] for k, s, d in zip(kernel, stride, dilation)]
+    q = [y + sh[-1] for y, sh in zip(spatial_y, shifts)]
+    frame = n * math.prod(q)
+    # x_pad, padded (or cut: rows the stride never reaches) to q*stride points per dim, then
+    # (N, G, C, q1, s1, q2, s2, ...) -> (s1, s2, ..., G, C, N, q1, q2, ...): phases of flat frames.
+    pads = []
+    for size, p, qq, s in reversed(list(zip(x.shape[2:], padding, q, stride))):
+        pads += [p, qq * s - size - p]
+    xp = torch.nn.functional.pad(x, pads) if any(pads) else x
+    split = [n, groups, c]
+    for qq, s in zip(q, stride):
+        split += [qq, s]
+    order = [4 + 2 * i for i in range(dims)] + [1, 2, 0] + [3 + 2 * i for i in range(dims)]
+    phases = xp.reshape(split).permute(order)
+    phases = torch.empty(phases.shape, dtype=dtype, device=x.device).copy_(phases)
+    phases = phases.view(*stride, groups, c, frame)
+    go_pads = []
+    for y, qq in reversed(list(zip(spatial_y, q))):
+        go_pads += [0, qq - y]
+    go_frame = torch.nn.functional.pad(go, go_pads) if any(go_pads) else go
+    go_frame = go_frame.reshape(n, groups, o, frame // n).permute(1, 2, 0, 3)
+    go_frame = torch.empty(go_frame.shape, dtype=dtype, device=go.device).copy_(go_frame)
+    go_frame = go_frame.view(groups, o, frame)
+    # Flat offset of a shift; the longest window that stays inside the frame for every tap.
+    frame_strides = [math.prod(q[i + 1 :]) for i in range(dims)]
+    length = frame - sum(sh[-1] * fs for sh, fs in zip(shifts, frame_strides))
+    go_frame = go_frame.narrow(2, 0, length)
+    taps = list(itertools.product(*(range(k) for k in kernel)))
+    out = torch.empty(len(taps), groups, o, c, dtype=dtype, device=go.device)
+    for t, tap in enumerate(taps):
+        phase = tuple(i * d % s for i, s, d in zip(tap, stride, dilation))
+        offset = sum(sh[i] * fs for sh, i, fs in zip(shifts, tap, frame_strides))
+        window = phases[phase].narrow(2, offset, length)
+        torch.bmm(go_frame, window.transpose(1, 2), out=out[t])
+    return out.permute(1, 2, 3, 0).reshape(groups * o, c, *kernel)
+
+
 def grad_weight(a: ConvolutionBackwardArgs, go: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``weight``-shaped, in the compute dtype."""
+    """``weight``-shaped, in the compute dtype; ``go`` and ``x`` in the input dtype."""
     kernel = list(a.weight.shape[2:])
-    if not a.transposed:
-        return _weight_contraction(x, go, kernel, a.stride, a.padding, a.dilation, a.groups)
-    # y = conv_transpose(x, w): the roles of input and grad_output swap; (C_in, C_out/G, *k) falls out.
-    return _weight_contraction(go, x, kernel, a.stride, a.padding, a.dilation, a.groups)
+    if a.transposed:
+        # y = conv_transpose(x, w): the roles of input and grad_output swap; (C_in, C_out/G, *k) falls out.
+        go, x = x, go
+    return _weight_contraction(
+        x, go, kernel, a.stride, a.padding, a.dilation, a.groups, reduced_gemm=_bf16_on_onednn(go)
+    )
 
 
 def convolution_backward(args: ConvolutionBackwardArgs) -> tuple[torch.Tensor | None, ...]:
@@ -162,18 +282,16 @@ def convolution_backward(args: ConvolutionBackwardArgs) -> tuple[torch.Tensor | 
     if backend in _EMPTY_BACKENDS:
         return _empty_backward(a)
     dtype = a.grad_output.dtype
-    cdtype = _compute_dtype(dtype)
-    go = a.grad_output.to(cdtype)
     fmt = output_memory_format(a, backend)
     gi = gw = gb = None
     if mask[0]:
         gi = empty_like_native(a.input, fmt, backend, dtype, is_input=True)
-        gi.copy_(grad_input(a, go, a.weight.to(cdtype)))
+        gi.copy_(grad_input(a, a.grad_output, a.weight))
     if mask[1]:
         gw = empty_like_native(a.weight, fmt, backend, dtype)
-        gw.copy_(grad_weight(a, go, a.input.to(cdtype)))
+        gw.copy_(grad_weight(a, a.grad_output, a.input))
     if mask[2]:
-        gb = _grad_bias(a.grad_output, cdtype)
+        gb = _grad_bias(a.grad_output, _compute_dtype(dtype))
     return gi, gw, gb
 
 
