@@ -45,6 +45,7 @@ _IM2COL_CHUNK_ELEMENTS = 1 << 26
 _EMPTY_BACKENDS = {torch._C._ConvBackend.Empty, torch._C._ConvBackend.MkldnnEmpty}
 # oneDNN's convolution backends; 2.13's torch._C._ConvBackend has no member for 9 (MkldnnTranspose).
 _ONEDNN = frozenset({int(torch._C._ConvBackend.Mkldnn), 9})
+_SLOW_TRANSPOSED = frozenset(int(b) for b in (torch._C._ConvBackend.SlowTranspose2d, torch._C._ConvBackend.SlowTranspose3d))
 
 
 def unsupported_reason(args: ConvolutionBackwardArgs) -> str | None:
@@ -85,6 +86,7 @@ def grad_input(a: ConvolutionBackwardArgs, go: torch.Tensor, w: torch.Tensor) ->
     convolution it takes runs on oneDNN (float32 accumulation, one rounding: the native numerics).
     ``go`` and ``w`` in the input dtype."""
     spatial_in = a.input.shape[2:]
+    dims = a.spatial_dims
     if not a.transposed:
         # Transposed conv of grad_output; output_padding makes up for the rows the stride dropped.
         out_pad = [
@@ -94,10 +96,20 @@ def grad_input(a: ConvolutionBackwardArgs, go: torch.Tensor, w: torch.Tensor) ->
             )
         ]
         params = (a.stride, a.padding, a.dilation, True, out_pad, a.groups)
+        backend = int(torch._C._select_conv_backend(go, w, None, *params, None))
+        full_padding = [d * (k - 1) - p for k, p, d in zip(w.shape[2:], a.padding, a.dilation)]
+        if backend in _SLOW_TRANSPOSED and all(s == 1 for s in a.stride) and min(full_padding) >= 0:
+            # With stride 1 it is also a regular convolution (cheaper than the THNN transposed
+            # path): grad_output correlated, fully padded, with the flipped kernel, C_in and C_out
+            # swapped within each group.
+            g = a.groups
+            w = w.unflatten(0, (g, -1)).transpose(1, 2).flatten(0, 1).flip(list(range(2, 2 + dims)))
+            params = ([1] * dims, full_padding, a.dilation, False, [0] * dims, g)
+            backend = int(torch._C._select_conv_backend(go, w, None, *params, None))
     else:
-        params = (a.stride, a.padding, a.dilation, False, [0] * a.spatial_dims, a.groups)
-    on_onednn = _bf16_on_onednn(go) and int(torch._C._select_conv_backend(go, w, None, *params, None)) in _ONEDNN
-    if not on_onednn:
+        params = (a.stride, a.padding, a.dilation, False, [0] * dims, a.groups)
+        backend = int(torch._C._select_conv_backend(go, w, None, *params, None))
+    if not (_bf16_on_onednn(go) and backend in _ONEDNN):
         cdtype = _compute_dtype(go.dtype)
         go, w = go.to(cdtype), w.to(cdtype)
     gi = _conv(go, w, *params)
@@ -127,8 +139,9 @@ def _weight_contraction(
     - depthwise (``C == O == 1``, 2-D/3-D): one depthwise convolution (:func:`_depthwise_weight_grad`);
     - few input channels per tap (im2col smaller than ``kernel`` passes over ``grad_output``):
       im2col + one batched GEMM (:func:`_im2col_weight_grad`);
-    - otherwise one batched GEMM per kernel tap on shifted windows (:func:`_shifted_window_weight_grad`),
-      in the input dtype when ``reduced_gemm`` (each output element is one GEMM's float32 sum).
+    - otherwise one GEMM per kernel tap on shifted windows (:func:`_shifted_window_weight_grad`), in
+      the input dtype when ``reduced_gemm`` and one group (each output element is one GEMM's float32
+      sum, rounded once).
     """
     n, gc = x.shape[:2]
     c, o = gc // groups, go.size(1) // groups
@@ -142,7 +155,9 @@ def _weight_contraction(
     # the shifted windows read O + C once per tap.
     if 3 * c * kk + o < kk * (o + c):
         return _im2col_weight_grad(x.to(cdtype), go.to(cdtype), kernel, stride, padding, dilation, groups)
-    dtype = go.dtype if reduced_gemm else cdtype
+    # bfloat16 only for one group: torch.mm takes the strided windows as they are, where a bfloat16
+    # torch.bmm would copy both operands for every tap.
+    dtype = go.dtype if reduced_gemm and groups == 1 else cdtype
     out = _shifted_window_weight_grad(x, go, kernel, stride, padding, dilation, groups, dtype)
     return out.to(cdtype)
 
@@ -243,7 +258,10 @@ def _shifted_window_weight_grad(x, go, kernel, stride, padding, dilation, groups
         phase = tuple(i * d % s for i, s, d in zip(tap, stride, dilation))
         offset = sum(sh[i] * fs for sh, i, fs in zip(shifts, tap, frame_strides))
         window = phases[phase].narrow(2, offset, length)
-        torch.bmm(go_frame, window.transpose(1, 2), out=out[t])
+        if groups == 1:
+            torch.mm(go_frame[0], window[0].t(), out=out[t, 0])
+        else:
+            torch.bmm(go_frame, window.transpose(1, 2), out=out[t])
     return out.permute(1, 2, 3, 0).reshape(groups * o, c, *kernel)
 
 
