@@ -219,7 +219,7 @@ def _shifted_window_weight_grad(x, go, kernel, stride, padding, dilation, groups
     ``grad_output`` zero beyond ``spatial_y``; flattened over ``(N, *q)`` each shift is a contiguous
     window, and ``out[:, :, :, k] = go_frame @ window_k^T`` with ``(G, O, L) @ (G, L, C)``. The frame
     points a window wraps onto meet the zeros of ``go_frame``. Works in ``dtype``; copies ``x`` and
-    ``grad_output`` once each (into ``dtype``).
+    ``grad_output`` once each (into ``dtype``), with no padded intermediate.
     """
     n, gc = x.shape[:2]
     c, o = gc // groups, go.size(1) // groups
@@ -228,25 +228,31 @@ def _shifted_window_weight_grad(x, go, kernel, stride, padding, dilation, groups
     shifts = [[i * d // s for i in range(k)] for k, s, d in zip(kernel, stride, dilation)]
     q = [y + sh[-1] for y, sh in zip(spatial_y, shifts)]
     frame = n * math.prod(q)
-    # x_pad, padded (or cut: rows the stride never reaches) to q*stride points per dim, then
-    # (N, G, C, q1, s1, q2, s2, ...) -> (s1, s2, ..., G, C, N, q1, q2, ...): phases of flat frames.
-    pads = []
-    for size, p, qq, s in reversed(list(zip(x.shape[2:], padding, q, stride))):
-        pads += [p, qq * s - size - p]
-    xp = torch.nn.functional.pad(x, pads) if any(pads) else x
-    split = [n, groups, c]
-    for qq, s in zip(q, stride):
-        split += [qq, s]
-    order = [4 + 2 * i for i in range(dims)] + [1, 2, 0] + [3 + 2 * i for i in range(dims)]
-    phases = xp.reshape(split).permute(order)
-    phases = torch.empty(phases.shape, dtype=dtype, device=x.device).copy_(phases)
+    # The phases of x_pad on the frame, (s1, s2, ..., G, C, N, q1, q2, ...), filled phase by phase:
+    # along a dim, frame point j of phase r is x[j*s + r - p], zero where that is padding or beyond x.
+    # (Zeroing only those slabs: every page of these big buffers is touched once.)
+    phases = torch.empty(*stride, groups, c, n, *q, dtype=dtype, device=x.device)
+    x_gcn = x.unflatten(1, (groups, c)).permute(1, 2, 0, *range(3, 3 + dims))
+    for phase in itertools.product(*(range(s) for s in stride)):
+        dst, src = [slice(None)] * 3, [slice(None)] * 3
+        for dim, (r, s, p, qq, size) in enumerate(zip(phase, stride, padding, q, x.shape[2:]), start=3):
+            first = min(qq, max(0, -((r - p) // s)))  # the first frame point that is not padding
+            start = first * s + r - p
+            count = max(0, min(qq - first, -((start - size) // s)))
+            phases[phase].narrow(dim, 0, first).zero_()
+            phases[phase].narrow(dim, first + count, qq - first - count).zero_()
+            dst.append(slice(first, first + count))
+            src.append(slice(start, start + (count - 1) * s + 1, s))
+        if all(d.stop > d.start for d in dst[3:]):
+            phases[phase][tuple(dst)].copy_(x_gcn[tuple(src)])
     phases = phases.view(*stride, groups, c, frame)
-    go_pads = []
-    for y, qq in reversed(list(zip(spatial_y, q))):
-        go_pads += [0, qq - y]
-    go_frame = torch.nn.functional.pad(go, go_pads) if any(go_pads) else go
-    go_frame = go_frame.reshape(n, groups, o, frame // n).permute(1, 2, 0, 3)
-    go_frame = torch.empty(go_frame.shape, dtype=dtype, device=go.device).copy_(go_frame)
+    # grad_output on the frame, (G, O, N, q1, q2, ...), zero beyond spatial_y.
+    go_frame = torch.empty(groups, o, n, *q, dtype=dtype, device=go.device)
+    for dim, (y, qq) in enumerate(zip(spatial_y, q), start=3):
+        go_frame.narrow(dim, y, qq - y).zero_()
+    go_frame[(..., *(slice(0, y) for y in spatial_y))].copy_(
+        go.unflatten(1, (groups, o)).permute(1, 2, 0, *range(3, 3 + dims))
+    )
     go_frame = go_frame.view(groups, o, frame)
     # Flat offset of a shift; the longest window that stays inside the frame for every tap.
     frame_strides = [math.prod(q[i + 1 :]) for i in range(dims)]
