@@ -5,16 +5,22 @@ aten/src/ATen/native/Convolution.cpp, built from other ATen ops and never re-ent
 ``convolution_backward``:
 
 - ``grad_input`` of a regular convolution is the transposed convolution of ``grad_output`` with
-  ``weight`` (``output_padding`` chosen so the size is exactly ``spatial_in``); of a transposed
-  convolution, the regular convolution of ``grad_output`` with ``weight``, cut to ``spatial_in``.
-- ``grad_weight`` is an N-d im2col (an ``as_strided`` view of the zero-padded input) contracted
-  with ``grad_output`` by a batched GEMM over groups, in bounded batch chunks. A transposed
-  convolution's weight gradient is the same contraction with the roles of ``input`` and
-  ``grad_output`` swapped.
+  ``weight`` (``output_padding`` chosen so the size is exactly ``spatial_in``), or with stride 1,
+  where upstream would run that transposed convolution on the slow THNN path, the equivalent
+  regular convolution with the flipped kernel; of a transposed convolution, the regular
+  convolution of ``grad_output`` with ``weight``, cut to ``spatial_in``.
+- ``grad_weight`` is a contraction of ``grad_output`` with windows of the zero-padded input,
+  formulated per layer class: a depthwise convolution of ``input`` by ``grad_output`` (one channel
+  per group, 2-D/3-D); an N-d im2col (an ``as_strided`` view) and a batched GEMM (few input
+  channels per tap); otherwise one GEMM per kernel tap on shifted windows of the input's stride
+  phases (kn2row, no im2col). A transposed convolution's weight gradient is the same contraction
+  with the roles of ``input`` and ``grad_output`` swapped.
 - ``grad_bias`` is ``grad_output`` summed over every dim but 1, shaped by ``grad_output`` (not by
   ``bias_sizes``, as upstream, pytorch#119407).
 
-float16 / bfloat16 are accumulated in float32 and rounded once. Outputs get upstream's exact
+float16 / bfloat16 are accumulated in float32 and rounded once: in float32 ops, or for bfloat16 on
+CPUs with oneDNN bfloat16 support in bfloat16 convolutions and GEMMs that accumulate in float32
+(where each output element is one such op's result). Outputs get upstream's exact
 strides (:func:`args.output_memory_format`); masked-out outputs are ``None`` and not computed.
 """
 
@@ -45,7 +51,9 @@ _IM2COL_CHUNK_ELEMENTS = 1 << 26
 _EMPTY_BACKENDS = {torch._C._ConvBackend.Empty, torch._C._ConvBackend.MkldnnEmpty}
 # oneDNN's convolution backends; 2.13's torch._C._ConvBackend has no member for 9 (MkldnnTranspose).
 _ONEDNN = frozenset({int(torch._C._ConvBackend.Mkldnn), 9})
-_SLOW_TRANSPOSED = frozenset(int(b) for b in (torch._C._ConvBackend.SlowTranspose2d, torch._C._ConvBackend.SlowTranspose3d))
+_SLOW_TRANSPOSED = frozenset(
+    int(b) for b in (torch._C._ConvBackend.SlowTranspose2d, torch._C._ConvBackend.SlowTranspose3d)
+)
 
 
 def unsupported_reason(args: ConvolutionBackwardArgs) -> str | None:
@@ -136,7 +144,9 @@ def _weight_contraction(
     Returns ``(G*O, C, *kernel)`` in the compute dtype (float32 for float16/bfloat16), by the
     formulation that suits the layer:
 
-    - depthwise (``C == O == 1``, 2-D/3-D): one depthwise convolution (:func:`_depthwise_weight_grad`);
+    - pointwise (kernel 1, stride 1, no padding; not float16/bfloat16): a GEMM per sample, no copies;
+    - depthwise (``C == O == 1``, 2-D/3-D): one depthwise convolution (:func:`_depthwise_weight_grad`;
+      not 1-D, where its kernel, as long as the sequence, is slow on oneDNN);
     - few input channels per tap (im2col smaller than ``kernel`` passes over ``grad_output``):
       im2col + one batched GEMM (:func:`_im2col_weight_grad`);
     - otherwise one GEMM per kernel tap on shifted windows (:func:`_shifted_window_weight_grad`), in
@@ -149,6 +159,13 @@ def _weight_contraction(
     if n == 0 or c == 0 or o == 0:
         return torch.zeros(groups * o, c, *kernel, dtype=cdtype, device=go.device)
     kk = math.prod(kernel)
+    if kk == 1 and set(stride) == {1} and not any(padding) and go.dtype == cdtype:
+        # Pointwise: one GEMM per sample on grad_output and input as they are (views in either
+        # memory format), accumulated over the batch.
+        out = torch.zeros(groups, o, c, dtype=cdtype, device=go.device)
+        for i in range(n):
+            out.baddbmm_(go[i].reshape(groups, o, -1), x[i].reshape(groups, c, -1).transpose(1, 2))
+        return out.view(groups * o, c, *kernel)
     if c == 1 and o == 1 and len(kernel) > 1:
         return _depthwise_weight_grad(x.to(cdtype), go.to(cdtype), kernel, stride, padding, dilation)
     # Memory passes per output point: im2col writes, permutes and reads C*K columns and reads O once;
