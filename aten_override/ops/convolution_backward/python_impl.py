@@ -44,8 +44,8 @@ __all__ = ["convolution_backward", "unsupported_reason", "NAME"]
 
 NAME = "python"
 
-# Elements of one im2col chunk (float32: 256 MiB). The chunk's view is copied once by reshape and
-# once more by the permute into (G, N*Y, C*K), so grad_weight's workspace is about twice this.
+# Elements of one im2col chunk (float32: 256 MiB), grad_weight's workspace: the chunk's view is
+# copied once, into (G, N*Y, C*K).
 _IM2COL_CHUNK_ELEMENTS = 1 << 26
 
 _EMPTY_BACKENDS = {torch._C._ConvBackend.Empty, torch._C._ConvBackend.MkldnnEmpty}
@@ -219,8 +219,10 @@ def _im2col_weight_grad(x, go, kernel, stride, padding, dilation, groups) -> tor
             [sn, c * sc, sc, *(d * s for d, s in zip(dilation, ss)), *(st * s for st, s in zip(stride, ss))],
             xp.storage_offset() + start * sn,
         )
-        # (G, N*Y, C*K) and (G, O, N*Y): one batched GEMM over groups.
-        cols = cols.reshape(m, groups, c * kk, yy).permute(1, 0, 3, 2).reshape(groups, m * yy, c * kk)
+        # (G, N*Y, C*K), one copy, and (G, O, N*Y): one batched GEMM over groups.
+        dims = len(kernel)
+        order = [1, 0, *range(3 + dims, 3 + 2 * dims), 2, *range(3, 3 + dims)]
+        cols = cols.permute(order).reshape(groups, m * yy, c * kk)
         g = go.narrow(0, start, m).reshape(m, groups, o, yy).permute(1, 2, 0, 3).reshape(groups, o, m * yy)
         out.baddbmm_(g, cols)
     return out.view(groups * o, c, *kernel)
