@@ -329,13 +329,26 @@ def convolution_backward(args: ConvolutionBackwardArgs) -> tuple[torch.Tensor | 
     gi = gw = gb = None
     if mask[0]:
         gi = empty_like_native(a.input, fmt, backend, dtype, is_input=True)
-        gi.copy_(grad_input(a, a.grad_output, a.weight))
+        gi = _into(gi, grad_input(a, a.grad_output, a.weight))
     if mask[1]:
-        gw = empty_like_native(a.weight, fmt, backend, dtype)
-        gw.copy_(grad_weight(a, a.grad_output, a.input))
+        gw = _into(empty_like_native(a.weight, fmt, backend, dtype), grad_weight(a, a.grad_output, a.input))
     if mask[2]:
         gb = _grad_bias(a.grad_output, _compute_dtype(dtype))
     return gi, gw, gb
+
+
+def _into(out: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``result`` itself when it already is what ``out`` would be (dtype, shape, strides, a fresh
+    storage of its own: results never alias an input), else ``out`` filled with it."""
+    if (
+        result.dtype == out.dtype
+        and result.shape == out.shape
+        and result.stride() == out.stride()
+        and result.storage_offset() == 0
+        and result.untyped_storage().nbytes() == out.untyped_storage().nbytes()
+    ):
+        return result
+    return out.copy_(result)
 
 
 def _grad_bias(grad_output: torch.Tensor, cdtype: torch.dtype) -> torch.Tensor:
