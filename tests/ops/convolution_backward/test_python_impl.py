@@ -2,9 +2,11 @@
 
 The core matrix (tests/test_core_matrix.py) reaches every formulation only for its own small
 problems: ``_depthwise_weight_grad`` for the 2-D/3-D ``groups=4, C=4->4`` cases,
-``_im2col_weight_grad`` for the ``C=1->4`` cases, ``_shifted_window_weight_grad`` for the rest, and
-never grad_input's forward-convolution path (the THNN transposed convolution it replaces is only
-picked with one thread). Here each one is swept over stride / padding / dilation / kernel / groups.
+``_im2col_weight_grad`` for the ``C=1->4`` cases, the per-sample pointwise GEMMs for the
+``C=8->16,k=1`` float32/float64 cases, ``_shifted_window_weight_grad`` for the rest (in bfloat16 for
+the ``groups=1`` bfloat16 cases), and never grad_input's forward-convolution path (the THNN
+transposed convolution it replaces is only picked with one thread). Here each one is swept over
+stride / padding / dilation / kernel / groups.
 """
 
 from __future__ import annotations
