@@ -329,19 +329,21 @@ def convolution_backward(args: ConvolutionBackwardArgs) -> tuple[torch.Tensor | 
     gi = gw = gb = None
     if mask[0]:
         gi = empty_like_native(a.input, fmt, backend, dtype, is_input=True)
-        gi = _into(gi, grad_input(a, a.grad_output, a.weight))
+        gi = _into(gi, grad_input(a, a.grad_output, a.weight), a)
     if mask[1]:
-        gw = _into(empty_like_native(a.weight, fmt, backend, dtype), grad_weight(a, a.grad_output, a.input))
+        gw = _into(empty_like_native(a.weight, fmt, backend, dtype), grad_weight(a, a.grad_output, a.input), a)
     if mask[2]:
         gb = _grad_bias(a.grad_output, _compute_dtype(dtype))
     return gi, gw, gb
 
 
-def _into(out: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    """``result`` itself when it already is what ``out`` would be (dtype, shape, strides, a fresh
-    storage of its own: results never alias an input), else ``out`` filled with it."""
+def _into(out: torch.Tensor, result: torch.Tensor, a: ConvolutionBackwardArgs) -> torch.Tensor:
+    """``result`` itself when it already is what ``out`` would be (dtype, shape, strides, a
+    storage of its own that no argument shares), else ``out`` filled with it."""
+    inputs = (a.grad_output, a.input, a.weight)
     if (
-        result.dtype == out.dtype
+        all(result.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in inputs)
+        and result.dtype == out.dtype
         and result.shape == out.shape
         and result.stride() == out.stride()
         and result.storage_offset() == 0
