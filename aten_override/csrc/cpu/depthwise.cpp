@@ -1,0 +1,384 @@
+// The fused depthwise kernel of the compiled backend: grad_input and grad_weight of a depthwise
+// convolution (groups == C_in, any channel multiplier C_out / C_in), 1-D/2-D/3-D, any stride, padding
+// and dilation (not transposed), in one pass over grad_output and input.
+//
+// Each (sample, input channel) plane is handled while it is in L1/L2: its input plane is copied (as
+// acc_t) into the interior of a zero-padded buffer `xp`, and each of its grad_output planes is spread
+// into `gs`, a buffer with the same row pitch where grad_output[o] sits at the padded position of
+// tap 0 (o * stride; zeros elsewhere). Then with off[k] = the padded-plane offset of kernel tap k:
+//   grad_weight[k] += sum_j gs[j] * xp[j + off[k]]          (correlation)
+//   grad_input_padded[j] = sum_k weight[k] * gs[j - off[k]]  (gather: each element written once)
+// Both are unit-stride loops over j. With every stride 1 they run over the whole plane as one flat
+// 1-D range, however short its rows (MobileNetV2's 7x7 planes); with strides they run row by row,
+// skipping the grad_output rows that are all zeros (H/D) and the taps that only meet such rows.
+// The padded borders of `xp` and the gaps of `gs` are zeroed once per thread, never per plane.
+//
+// Parallel over input channels when grad_weight is wanted (each thread sums its channels' grad_weight
+// over the batch in sample order), else over (sample, channel) planes: no atomics, and every result
+// is independent of the thread count (deterministic). float16 / bfloat16 convert into the acc_t
+// (float32) buffers while packing, so there is no separate conversion pass.
+#include "../convolution_backward.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
+#define ATEN_OVERRIDE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define ATEN_OVERRIDE_CLONES
+#endif
+#define ATEN_OVERRIDE_INLINE inline __attribute__((always_inline))
+
+namespace aten_override {
+namespace {
+
+// 64-byte vectors (GCC/Clang vector extensions): one AVX-512 register in the x86-64-v4 clone, two
+// AVX2 registers in the v3 one. Loads and stores are unaligned.
+template <typename acc_t>
+struct Vec {
+  typedef acc_t type __attribute__((vector_size(64), aligned(sizeof(acc_t))));
+  static constexpr int64_t size = 64 / sizeof(acc_t);
+  static ATEN_OVERRIDE_INLINE type load(const acc_t* p) { return *reinterpret_cast<const type*>(p); }
+  static ATEN_OVERRIDE_INLINE void store(acc_t* p, type v) { *reinterpret_cast<type*>(p) = v; }
+};
+
+// Taps are processed at most kMaxTaps at a time so that their accumulators stay in registers.
+constexpr int kMaxTaps = 8;
+
+// The padded plane and the walks over it, for one problem.
+struct Plane {
+  int64_t in_t, in_h, in_w, out_t, out_h, out_w;
+  int64_t pad_t, pad_h, pad_w, stride_t, stride_h, stride_w;
+  int64_t rows_h;   // padded H
+  int64_t pitch;    // row pitch of the padded plane (>= padded W)
+  int64_t size;     // padded T * padded H * pitch
+  int64_t margin;   // largest tap offset: gs keeps that many zeros before the plane
+  int64_t slack;    // zeros after each buffer, so vector loops may run past their range
+  bool flat;        // every stride 1: correlate / gather over the plane as one range
+  int64_t taps;
+  std::vector<int64_t> offset;  // offset of each tap in the padded plane
+  // Strided: padded row r (t * rows_h + h) gathers from the taps of class
+  // (t % stride_t) * stride_h + h % stride_h: class_taps[class_begin[c] .. class_begin[c + 1]).
+  std::vector<int64_t> class_taps, class_begin;
+
+  int64_t row(int64_t t, int64_t h) const { return (t * rows_h + h) * pitch; }
+  int64_t in_row(int64_t t, int64_t h) const { return row(t + pad_t, h + pad_h) + pad_w; }
+  int64_t out_row(int64_t t, int64_t h) const { return row(t * stride_t, h * stride_h); }
+  // grad_output positions span [0, span) in gs (from its margin); interior of xp / grad_input [first, last).
+  int64_t span() const { return out_row(out_t - 1, out_h - 1) + (out_w - 1) * stride_w + 1; }
+  int64_t first() const { return in_row(0, 0); }
+  int64_t last() const { return in_row(in_t - 1, in_h - 1) + in_w; }
+};
+
+Plane make_plane(const DirectProblem& p, int64_t lanes) {
+  Plane g;
+  g.in_t = p.in[0], g.in_h = p.in[1], g.in_w = p.in[2];
+  g.out_t = p.out[0], g.out_h = p.out[1], g.out_w = p.out[2];
+  g.pad_t = p.padding[0], g.pad_h = p.padding[1], g.pad_w = p.padding[2];
+  g.stride_t = p.stride[0], g.stride_h = p.stride[1], g.stride_w = p.stride[2];
+  g.flat = g.stride_t == 1 && g.stride_h == 1 && g.stride_w == 1;
+  g.rows_h = g.in_h + 2 * g.pad_h;
+  const int64_t width = g.in_w + 2 * g.pad_w;
+  // Row by row, a vector may run past the row's end: round the pitch up so it stays in the row.
+  g.pitch = g.flat ? width : (width + lanes - 1) / lanes * lanes;
+  g.size = (g.in_t + 2 * g.pad_t) * g.rows_h * g.pitch;
+  g.taps = p.kernel[0] * p.kernel[1] * p.kernel[2];
+  const int64_t classes = g.stride_t * g.stride_h;
+  std::vector<std::vector<int64_t>> by_class(classes);
+  for (int64_t kt = 0, tap = 0; kt < p.kernel[0]; ++kt) {
+    for (int64_t kh = 0; kh < p.kernel[1]; ++kh) {
+      for (int64_t kw = 0; kw < p.kernel[2]; ++kw, ++tap) {
+        const int64_t t = kt * p.dilation[0], h = kh * p.dilation[1];
+        g.offset.push_back(g.row(t, h) + kw * p.dilation[2]);
+        by_class[(t % g.stride_t) * g.stride_h + h % g.stride_h].push_back(tap);
+      }
+    }
+  }
+  g.margin = *std::max_element(g.offset.begin(), g.offset.end());
+  g.slack = 4 * lanes;
+  g.class_begin.push_back(0);
+  for (const auto& taps : by_class) {
+    g.class_taps.insert(g.class_taps.end(), taps.begin(), taps.end());
+    g.class_begin.push_back(static_cast<int64_t>(g.class_taps.size()));
+  }
+  return g;
+}
+
+// acc[k] += sum_{j in [j0, j1)} gs[j] * xp[j + offset[k]] for NT taps; j1 - j0 a multiple of the lanes.
+template <int NT, typename acc_t>
+ATEN_OVERRIDE_INLINE void correlate_block(
+    acc_t* acc, const acc_t* gs, const acc_t* xp, const int64_t* offset, int64_t j0, int64_t j1) {
+  using V = Vec<acc_t>;
+  typename V::type sums[NT] = {};
+  const acc_t* src[NT];
+  for (int k = 0; k < NT; ++k) src[k] = xp + offset[k];
+  for (int64_t j = j0; j < j1; j += V::size) {
+    const auto go = V::load(gs + j);
+    for (int k = 0; k < NT; ++k) sums[k] += go * V::load(src[k] + j);
+  }
+  for (int k = 0; k < NT; ++k) {
+    acc_t total = 0;
+    for (int64_t i = 0; i < V::size; ++i) total += sums[k][i];
+    acc[k] += total;
+  }
+}
+
+// out[j] (= or +=) sum over NT taps of weight[tap] * gs[j - offset[tap]], j in [j0, j1) (a multiple
+// of the lanes). Four vectors at a time: four independent FMA chains.
+template <int NT, typename acc_t>
+ATEN_OVERRIDE_INLINE void gather_block(
+    acc_t* out, const acc_t* gs, const acc_t* weight, const int64_t* offset, const int64_t* taps, bool accumulate,
+    int64_t j0, int64_t j1) {
+  using V = Vec<acc_t>;
+  constexpr int64_t L = V::size;
+  acc_t wk[NT];
+  const acc_t* src[NT];
+  for (int k = 0; k < NT; ++k) {
+    wk[k] = weight[taps[k]];
+    src[k] = gs - offset[taps[k]];
+  }
+  int64_t j = j0;
+  for (; j + 4 * L <= j1; j += 4 * L) {
+    typename V::type s0 = {}, s1 = {}, s2 = {}, s3 = {};
+    if (accumulate) {
+      s0 = V::load(out + j), s1 = V::load(out + j + L), s2 = V::load(out + j + 2 * L), s3 = V::load(out + j + 3 * L);
+    }
+    for (int k = 0; k < NT; ++k) {
+      s0 += wk[k] * V::load(src[k] + j);
+      s1 += wk[k] * V::load(src[k] + j + L);
+      s2 += wk[k] * V::load(src[k] + j + 2 * L);
+      s3 += wk[k] * V::load(src[k] + j + 3 * L);
+    }
+    V::store(out + j, s0), V::store(out + j + L, s1), V::store(out + j + 2 * L, s2), V::store(out + j + 3 * L, s3);
+  }
+  for (; j < j1; j += L) {
+    typename V::type s = {};
+    if (accumulate) s = V::load(out + j);
+    for (int k = 0; k < NT; ++k) s += wk[k] * V::load(src[k] + j);
+    V::store(out + j, s);
+  }
+}
+
+// Splits `taps` taps into near-equal blocks of at most kMaxTaps: op.template run<NT>(first, index).
+template <typename Op>
+ATEN_OVERRIDE_INLINE void for_tap_blocks(int64_t taps, Op&& op) {
+  if (taps == 0) return;
+  const int64_t blocks = (taps + kMaxTaps - 1) / kMaxTaps;
+  const int64_t per_block = (taps + blocks - 1) / blocks;
+  for (int64_t first = 0, index = 0; first < taps; first += per_block, ++index) {
+    switch (std::min(per_block, taps - first)) {
+      case 1: op.template run<1>(first, index); break;
+      case 2: op.template run<2>(first, index); break;
+      case 3: op.template run<3>(first, index); break;
+      case 4: op.template run<4>(first, index); break;
+      case 5: op.template run<5>(first, index); break;
+      case 6: op.template run<6>(first, index); break;
+      case 7: op.template run<7>(first, index); break;
+      default: op.template run<8>(first, index); break;
+    }
+  }
+}
+
+template <typename acc_t>
+struct CorrelateOp {
+  acc_t* acc;
+  const acc_t* gs;
+  const acc_t* xp;
+  const int64_t* offset;
+  int64_t j0, j1;
+  template <int NT>
+  ATEN_OVERRIDE_INLINE void run(int64_t first, int64_t) const {
+    correlate_block<NT>(acc + first, gs, xp, offset + first, j0, j1);
+  }
+};
+
+template <typename acc_t>
+struct GatherOp {
+  acc_t* out;
+  const acc_t* gs;
+  const acc_t* weight;
+  const int64_t* offset;
+  const int64_t* taps;
+  bool accumulate;
+  int64_t j0, j1;
+  template <int NT>
+  ATEN_OVERRIDE_INLINE void run(int64_t first, int64_t index) const {
+    gather_block<NT>(out, gs, weight, offset, taps + first, accumulate || index > 0, j0, j1);
+  }
+};
+
+template <typename acc_t>
+ATEN_OVERRIDE_INLINE int64_t round_up(int64_t n) {
+  return (n + Vec<acc_t>::size - 1) / Vec<acc_t>::size * Vec<acc_t>::size;
+}
+
+// acc[k] += grad_weight contribution of one grad_output plane (`gs`, from its margin) and input plane `xp`.
+template <typename acc_t>
+ATEN_OVERRIDE_INLINE void correlate_plane(const Plane& g, acc_t* acc, const acc_t* gs, const acc_t* xp) {
+  if (g.flat) {
+    // gs is zero from span on (slack), so the range may be rounded up.
+    for_tap_blocks(g.taps, CorrelateOp<acc_t>{acc, gs, xp, g.offset.data(), 0, round_up<acc_t>(g.span())});
+    return;
+  }
+  // A row's positions past its last grad_output element are zeros of the same row (pitch rounded up).
+  const int64_t width = round_up<acc_t>((g.out_w - 1) * g.stride_w + 1);
+  for (int64_t t = 0; t < g.out_t; ++t) {
+    for (int64_t h = 0; h < g.out_h; ++h) {
+      const int64_t j0 = g.out_row(t, h);
+      for_tap_blocks(g.taps, CorrelateOp<acc_t>{acc, gs, xp, g.offset.data(), j0, j0 + width});
+    }
+  }
+}
+
+// out (= or += when accumulate) the grad_input contribution of one grad_output plane, over the
+// padded plane's interior [first, last) (rounded up; other positions get values nobody reads).
+template <typename acc_t>
+ATEN_OVERRIDE_INLINE void gather_plane(
+    const Plane& g, acc_t* out, const acc_t* gs, const acc_t* weight, bool accumulate) {
+  if (g.flat) {
+    const int64_t j0 = g.first();
+    for_tap_blocks(
+        g.taps, GatherOp<acc_t>{out, gs, weight, g.offset.data(), g.class_taps.data(), accumulate, j0,
+                                j0 + round_up<acc_t>(g.last() - j0)});
+    return;
+  }
+  // Whole rows (the pitch is a multiple of the lanes): a row never runs into the next one.
+  for (int64_t t = g.pad_t; t < g.pad_t + g.in_t; ++t) {
+    for (int64_t h = g.pad_h; h < g.pad_h + g.in_h; ++h) {
+      const int64_t cls = (t % g.stride_t) * g.stride_h + h % g.stride_h;
+      const int64_t begin = g.class_begin[cls], count = g.class_begin[cls + 1] - begin;
+      const int64_t j0 = g.row(t, h);
+      if (count == 0) {
+        if (!accumulate) std::fill(out + j0, out + j0 + g.pitch, acc_t(0));
+        continue;
+      }
+      for_tap_blocks(
+          count, GatherOp<acc_t>{out, gs, weight, g.offset.data(), g.class_taps.data() + begin, accumulate, j0,
+                                 j0 + g.pitch});
+    }
+  }
+}
+
+ATEN_OVERRIDE_CLONES void correlate_f(const Plane& g, float* a, const float* gs, const float* xp) {
+  correlate_plane(g, a, gs, xp);
+}
+ATEN_OVERRIDE_CLONES void correlate_d(const Plane& g, double* a, const double* gs, const double* xp) {
+  correlate_plane(g, a, gs, xp);
+}
+ATEN_OVERRIDE_CLONES void gather_f(const Plane& g, float* o, const float* gs, const float* w, bool accumulate) {
+  gather_plane(g, o, gs, w, accumulate);
+}
+ATEN_OVERRIDE_CLONES void gather_d(const Plane& g, double* o, const double* gs, const double* w, bool accumulate) {
+  gather_plane(g, o, gs, w, accumulate);
+}
+inline void correlate(const Plane& g, float* a, const float* gs, const float* xp) { correlate_f(g, a, gs, xp); }
+inline void correlate(const Plane& g, double* a, const double* gs, const double* xp) { correlate_d(g, a, gs, xp); }
+inline void gather(const Plane& g, float* o, const float* gs, const float* w, bool acc) { gather_f(g, o, gs, w, acc); }
+inline void gather(const Plane& g, double* o, const double* gs, const double* w, bool acc) {
+  gather_d(g, o, gs, w, acc);
+}
+
+// dst[i * dst_step] = src[i] for i < n, converting (plain loops: rows can be a few elements).
+template <typename From, typename To>
+ATEN_OVERRIDE_INLINE void convert_row(const From* src, To* dst, int64_t n, int64_t dst_step) {
+  if (dst_step == 1) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<To>(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i * dst_step] = static_cast<To>(src[i]);
+  }
+}
+
+// Input plane into the interior of xp (its borders stay zero).
+template <typename scalar_t, typename acc_t>
+void pack_input(const Plane& g, const scalar_t* x, acc_t* xp) {
+  for (int64_t t = 0; t < g.in_t; ++t) {
+    for (int64_t h = 0; h < g.in_h; ++h) {
+      convert_row(x + (t * g.in_h + h) * g.in_w, xp + g.in_row(t, h), g.in_w, 1);
+    }
+  }
+}
+
+// grad_output plane into gs at its tap-0 positions (the gaps stay zero).
+template <typename scalar_t, typename acc_t>
+void spread_grad_output(const Plane& g, const scalar_t* go, acc_t* gs) {
+  for (int64_t t = 0; t < g.out_t; ++t) {
+    for (int64_t h = 0; h < g.out_h; ++h) {
+      convert_row(go + (t * g.out_h + h) * g.out_w, gs + g.out_row(t, h), g.out_w, g.stride_w);
+    }
+  }
+}
+
+// The interior of the padded grad_input plane into grad_input.
+template <typename scalar_t, typename acc_t>
+void unpack_grad_input(const Plane& g, const acc_t* gp, scalar_t* gi) {
+  for (int64_t t = 0; t < g.in_t; ++t) {
+    for (int64_t h = 0; h < g.in_h; ++h) {
+      convert_row(gp + g.in_row(t, h), gi + (t * g.in_h + h) * g.in_w, g.in_w, 1);
+    }
+  }
+}
+
+template <typename scalar_t>
+using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+// gi / gw null when not wanted (then w / x may be null too).
+template <typename scalar_t>
+void depthwise_impl(
+    const DirectProblem& p, const scalar_t* go, const scalar_t* x, const scalar_t* w, scalar_t* gi, scalar_t* gw) {
+  using acc_t = acc_type<scalar_t>;
+  const Plane g = make_plane(p, Vec<acc_t>::size);
+  const int64_t channels = p.groups, multiplier = p.out_per_group;
+  const int64_t in_plane = p.in[0] * p.in[1] * p.in[2], out_plane = p.out[0] * p.out[1] * p.out[2];
+  const int64_t per_channel = multiplier * g.taps;  // grad_weight / weight elements of one input channel
+  // Tasks: input channels (grad_weight sums over the batch inside a task), else (sample, channel) planes.
+  const int64_t tasks = gw ? channels : p.batch * channels;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> xp(gw ? g.size + g.slack : 0, acc_t(0));
+    std::vector<acc_t> gs(g.margin + g.size + g.slack, acc_t(0));
+    std::vector<acc_t> gp(gi ? g.size + g.slack : 0), weight(gi ? per_channel : 0), acc(gw ? per_channel : 0);
+    acc_t* spread = gs.data() + g.margin;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t c = gw ? task : task % channels;
+      const int64_t n_begin = gw ? 0 : task / channels, n_end = gw ? p.batch : n_begin + 1;
+      if (gi) std::copy(w + c * per_channel, w + (c + 1) * per_channel, weight.begin());
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t n = n_begin; n < n_end; ++n) {
+        if (gw) pack_input(g, x + (n * channels + c) * in_plane, xp.data());
+        for (int64_t q = 0; q < multiplier; ++q) {
+          spread_grad_output(g, go + (n * channels * multiplier + c * multiplier + q) * out_plane, spread);
+          if (gw) correlate(g, acc.data() + q * g.taps, spread, xp.data());
+          if (gi) gather(g, gp.data(), spread, weight.data() + q * g.taps, q > 0);
+        }
+        if (gi) unpack_grad_input(g, gp.data(), gi + (n * channels + c) * in_plane);
+      }
+      if (gw) {
+        std::transform(acc.begin(), acc.end(), gw + c * per_channel, [](acc_t v) { return static_cast<scalar_t>(v); });
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void depthwise_backward_cpu(
+    const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    at::Tensor* grad_input, at::Tensor* grad_weight) {
+  TORCH_INTERNAL_ASSERT(p.in_per_group == 1 && grad_output.is_contiguous());
+  TORCH_INTERNAL_ASSERT(!grad_input || (grad_input->is_contiguous() && weight.is_contiguous()));
+  TORCH_INTERNAL_ASSERT(!grad_weight || (grad_weight->is_contiguous() && input.is_contiguous()));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_output.scalar_type(), "depthwise_backward_cpu", [&] {
+    depthwise_impl<scalar_t>(
+        p, grad_output.const_data_ptr<scalar_t>(), grad_weight ? input.const_data_ptr<scalar_t>() : nullptr,
+        grad_input ? weight.const_data_ptr<scalar_t>() : nullptr,
+        grad_input ? grad_input->data_ptr<scalar_t>() : nullptr,
+        grad_weight ? grad_weight->data_ptr<scalar_t>() : nullptr);
+  });
+}
+
+}  // namespace aten_override
