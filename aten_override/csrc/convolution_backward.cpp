@@ -56,16 +56,16 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "zero batch or zero input channels (upstream's Empty backend): zeros; bias_sizes=None gives zeros(C_out) "
      "instead of upstream's abort"},
     {"depthwise", "direct",
-     "groups == C_in (channel multiplier C_out / C_in >= 1): native's depthwise paths reach 1-6% of FLOP peak; "
-     "fused direct kernel, memory-bound"},
+     "groups == C_in (channel multiplier C_out / C_in >= 1), any plane size: native's depthwise paths reach 1-6% "
+     "of FLOP peak; fused kernel (cpu/depthwise.cpp), one pass over grad_output and input"},
     {"grouped", "direct",
      "1 < groups < C_in with (C_in / groups) * (C_out / groups) <= 64 (ResNeXt layer1): native reaches 7-13% of peak; "
      "direct kernel per group"},
     {"one-channel", "direct",
      "groups == 1 and C_in == 1 (wav2vec2's first layer): native reaches 3% of peak; direct kernel"},
     {"small-planes", "native",
-     "depthwise / grouped / one-channel with under 64 output elements per channel (MobileNetV2's 7x7 stages): the "
-     "direct kernel's per-plane overhead loses to native there (use native)"},
+     "grouped / one-channel with under 64 output elements per channel: the direct kernel's per-plane overhead "
+     "loses to native there (use native); depthwise small planes (MobileNetV2's 7x7 stages) stay depthwise"},
     {"dense", "native",
      "dense and large-group layers: native's oneDNN / GEMM paths are near the hardware limit (use native)"},
     {"transposed", "native", "transposed layers: no compiled kernel yet; native's oneDNN paths serve them (use native)"},
@@ -80,7 +80,7 @@ constexpr int64_t kDirectMaxChannelPairs = 64;
 
 // Fewest grad_output elements per channel the direct kernel takes: below, its fixed cost per plane
 // (packing, zeroing, tap blocks) dominates; measured on MobileNetV2's 7x7 depthwise stage at ~2x
-// native's time.
+// native's time. Depthwise layers take the fused kernel instead, whose per-plane cost is small.
 constexpr int64_t kDirectMinPlane = 64;
 
 // --- counters (merged into aten_override.stats()) ----------------------------------------------
@@ -294,7 +294,10 @@ LayerClass classify(const Args& a, const Expanded& e) {
   } else if (a.groups > 1 && in_per_group * out_per_group <= kDirectMaxChannelPairs) {
     direct = LayerClass::Grouped;
   }
-  if (direct != LayerClass::Dense && a.grad_output[0][0].numel() < kDirectMinPlane) return LayerClass::SmallPlanes;
+  if ((direct == LayerClass::Grouped || direct == LayerClass::OneChannel) &&
+      a.grad_output[0][0].numel() < kDirectMinPlane) {
+    return LayerClass::SmallPlanes;
+  }
   return direct;
 }
 

@@ -25,8 +25,15 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
 #define ATEN_OVERRIDE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -110,23 +117,23 @@ Plane make_plane(const DirectProblem& p, int64_t lanes) {
   return g;
 }
 
-// acc[k] += sum_{j in [j0, j1)} gs[j] * xp[j + offset[k]] for NT taps; j1 - j0 a multiple of the lanes.
+// acc[k] += sum_{j in [j0, j1)} gs[j] * xp[j + offset[k]] for NT taps, lane by lane: acc holds one
+// vector per tap (reduced across lanes once, at the end). j1 - j0 is a multiple of the lanes.
 template <int NT, typename acc_t>
 ATEN_OVERRIDE_INLINE void correlate_block(
     acc_t* acc, const acc_t* gs, const acc_t* xp, const int64_t* offset, int64_t j0, int64_t j1) {
   using V = Vec<acc_t>;
-  typename V::type sums[NT] = {};
+  typename V::type sums[NT];
   const acc_t* src[NT];
-  for (int k = 0; k < NT; ++k) src[k] = xp + offset[k];
+  for (int k = 0; k < NT; ++k) {
+    sums[k] = V::load(acc + k * V::size);
+    src[k] = xp + offset[k];
+  }
   for (int64_t j = j0; j < j1; j += V::size) {
     const auto go = V::load(gs + j);
     for (int k = 0; k < NT; ++k) sums[k] += go * V::load(src[k] + j);
   }
-  for (int k = 0; k < NT; ++k) {
-    acc_t total = 0;
-    for (int64_t i = 0; i < V::size; ++i) total += sums[k][i];
-    acc[k] += total;
-  }
+  for (int k = 0; k < NT; ++k) V::store(acc + k * V::size, sums[k]);
 }
 
 // out[j] (= or +=) sum over NT taps of weight[tap] * gs[j - offset[tap]], j in [j0, j1) (a multiple
@@ -194,7 +201,7 @@ struct CorrelateOp {
   int64_t j0, j1;
   template <int NT>
   ATEN_OVERRIDE_INLINE void run(int64_t first, int64_t) const {
-    correlate_block<NT>(acc + first, gs, xp, offset + first, j0, j1);
+    correlate_block<NT>(acc + first * Vec<acc_t>::size, gs, xp, offset + first, j0, j1);
   }
 };
 
@@ -218,7 +225,8 @@ ATEN_OVERRIDE_INLINE int64_t round_up(int64_t n) {
   return (n + Vec<acc_t>::size - 1) / Vec<acc_t>::size * Vec<acc_t>::size;
 }
 
-// acc[k] += grad_weight contribution of one grad_output plane (`gs`, from its margin) and input plane `xp`.
+// acc[k] (one vector per tap) += grad_weight contribution of one grad_output plane (`gs`, from its
+// margin) and input plane `xp`.
 template <typename acc_t>
 ATEN_OVERRIDE_INLINE void correlate_plane(const Plane& g, acc_t* acc, const acc_t* gs, const acc_t* xp) {
   if (g.flat) {
@@ -324,42 +332,96 @@ void unpack_grad_input(const Plane& g, const acc_t* gp, scalar_t* gi) {
   }
 }
 
+// Hints the kernel to back a freshly allocated output of `bytes` bytes with transparent huge pages
+// (as c10's THP_MEM_ALLOC_ENABLE does for every large CPU allocation): its first touch then costs one
+// fault per 2 MiB instead of per 4 KiB (measured: 38 MB written in 7 ms instead of 18 ms, one thread).
+void advise_huge_pages(void* data, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHugePage = uintptr_t(1) << 21;
+  if (bytes < static_cast<int64_t>(2 * kHugePage)) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHugePage - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // a hint: errors ignored
+#else
+  (void)data, (void)bytes;
+#endif
+}
+
+// Runs body(next_chunk) once per thread of at::parallel_for; next_chunk() hands out consecutive
+// [begin, end) ranges of [0, tasks) (empty when none is left) to whichever thread asks first, so a
+// thread that gets less CPU (a busy machine) takes fewer tasks. Each task's result does not depend on
+// which thread computes it.
+template <typename Body>
+void for_each_chunk(int64_t tasks, Body&& body) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = std::max<int64_t>(1, tasks / (8 * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
+    body([&]() -> std::pair<int64_t, int64_t> {
+      const int64_t begin = std::min(tasks, next.fetch_add(chunk, std::memory_order_relaxed));
+      return {begin, std::min(tasks, begin + chunk)};
+    });
+  });
+}
+
 template <typename scalar_t>
 using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+// Bytes of one sample's input and grad_output planes a grad_weight task reads contiguously (at least
+// one channel's): the hardware prefetchers need a few KiB of one stream to reach full speed.
+constexpr int64_t kBlockBytes = 64 << 10;
 
 // gi / gw null when not wanted (then w / x may be null too).
 template <typename scalar_t>
 void depthwise_impl(
     const DirectProblem& p, const scalar_t* go, const scalar_t* x, const scalar_t* w, scalar_t* gi, scalar_t* gw) {
   using acc_t = acc_type<scalar_t>;
-  const Plane g = make_plane(p, Vec<acc_t>::size);
+  constexpr int64_t L = Vec<acc_t>::size;
+  const Plane g = make_plane(p, L);
   const int64_t channels = p.groups, multiplier = p.out_per_group;
   const int64_t in_plane = p.in[0] * p.in[1] * p.in[2], out_plane = p.out[0] * p.out[1] * p.out[2];
   const int64_t per_channel = multiplier * g.taps;  // grad_weight / weight elements of one input channel
-  // Tasks: input channels (grad_weight sums over the batch inside a task), else (sample, channel) planes.
-  const int64_t tasks = gw ? channels : p.batch * channels;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  // Tasks: blocks of input channels, each summing its grad_weight over the whole batch (sample by
+  // sample, so the sums do not depend on the blocks), or without grad_weight (sample, channel) planes.
+  // A block spans enough channels that each sample's planes of the block are kBlockBytes of contiguous
+  // memory (small planes would otherwise be read at a large stride, one DRAM latency each).
+  const int64_t plane_bytes = (in_plane + multiplier * out_plane) * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t block = !gw ? 1
+      : std::max<int64_t>(1, std::min<int64_t>(kBlockBytes / plane_bytes, channels / (4 * at::get_num_threads())));
+  const int64_t tasks = gw ? (channels + block - 1) / block : p.batch * channels;
+  if (gi) advise_huge_pages(gi, p.batch * channels * in_plane * static_cast<int64_t>(sizeof(scalar_t)));
+  for_each_chunk(tasks, [&](auto&& next_chunk) {
     std::vector<acc_t> xp(gw ? g.size + g.slack : 0, acc_t(0));
     std::vector<acc_t> gs(g.margin + g.size + g.slack, acc_t(0));
-    std::vector<acc_t> gp(gi ? g.size + g.slack : 0), weight(gi ? per_channel : 0), acc(gw ? per_channel : 0);
+    std::vector<acc_t> gp(gi ? g.size + g.slack : 0), acc(gw ? block * per_channel * L : 0);
     acc_t* spread = gs.data() + g.margin;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t c = gw ? task : task % channels;
+    std::vector<acc_t> weight(gi ? channels * per_channel : 0);
+    if (gi) std::copy(w, w + channels * per_channel, weight.begin());
+    for (auto [begin, end] = next_chunk(); begin < end; std::tie(begin, end) = next_chunk()) {
+     for (int64_t task = begin; task < end; ++task) {
+      const int64_t c_begin = gw ? task * block : task % channels;
+      const int64_t c_end = gw ? std::min(channels, c_begin + block) : c_begin + 1;
       const int64_t n_begin = gw ? 0 : task / channels, n_end = gw ? p.batch : n_begin + 1;
-      if (gi) std::copy(w + c * per_channel, w + (c + 1) * per_channel, weight.begin());
       std::fill(acc.begin(), acc.end(), acc_t(0));
       for (int64_t n = n_begin; n < n_end; ++n) {
-        if (gw) pack_input(g, x + (n * channels + c) * in_plane, xp.data());
-        for (int64_t q = 0; q < multiplier; ++q) {
-          spread_grad_output(g, go + (n * channels * multiplier + c * multiplier + q) * out_plane, spread);
-          if (gw) correlate(g, acc.data() + q * g.taps, spread, xp.data());
-          if (gi) gather(g, gp.data(), spread, weight.data() + q * g.taps, q > 0);
+        for (int64_t c = c_begin; c < c_end; ++c) {
+          if (gw) pack_input(g, x + (n * channels + c) * in_plane, xp.data());
+          for (int64_t q = 0; q < multiplier; ++q) {
+            spread_grad_output(g, go + ((n * channels + c) * multiplier + q) * out_plane, spread);
+            if (gw) correlate(g, acc.data() + ((c - c_begin) * multiplier + q) * g.taps * L, spread, xp.data());
+            if (gi) gather(g, gp.data(), spread, weight.data() + (c * multiplier + q) * g.taps, q > 0);
+          }
+          if (gi) unpack_grad_input(g, gp.data(), gi + (n * channels + c) * in_plane);
         }
-        if (gi) unpack_grad_input(g, gp.data(), gi + (n * channels + c) * in_plane);
       }
       if (gw) {
-        std::transform(acc.begin(), acc.end(), gw + c * per_channel, [](acc_t v) { return static_cast<scalar_t>(v); });
+        for (int64_t i = 0; i < (c_end - c_begin) * per_channel; ++i) {
+          acc_t total = 0;
+          for (int64_t lane = 0; lane < L; ++lane) total += acc[i * L + lane];
+          gw[c_begin * per_channel + i] = static_cast<scalar_t>(total);
+        }
       }
+     }
     }
   });
 }

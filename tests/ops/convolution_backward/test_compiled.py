@@ -390,16 +390,33 @@ def test_unsupported_dtype_falls_back_with_reason():
     assert stats["fallback_reasons"] == {"compiled: " + compiled.unsupported_reason(args): 1}
 
 
-def test_small_planes_go_to_native():
-    layer = LAYERS["depthwise"]
-    args = make_args(layer, GEOMETRIES[0], 2)
-    small = dataclasses.replace(
-        args, input=args.input[:, :, :7, :7].contiguous(), grad_output=args.grad_output[:, :, :7, :7].contiguous()
+def _small_planes(name: str, dims: int = 2) -> ConvolutionBackwardArgs:
+    """Planes of 7, 7x7 and 1x7x7: under the direct kernel's 64 output elements per channel."""
+    args = make_args(LAYERS[name], GEOMETRIES[0], dims)
+    window = (slice(None), slice(None)) + (slice(0, 1),) * (dims - 2) + (slice(0, 7),) * min(dims, 2)
+    return dataclasses.replace(
+        args, input=args.input[window].contiguous(), grad_output=args.grad_output[window].contiguous()
     )
+
+
+def test_small_planes_go_to_native():
+    small = _small_planes("grouped")
     assert compiled.layer_class(small) == "small-planes"
     aten_override.reset_stats()
     ours = run_compiled(small)
     assert_compiled_served("small-planes")
+    assert_matches_original(small, ours)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3], ids=lambda d: f"dim={d}")
+@pytest.mark.parametrize("name", ["depthwise", "depthwise-x2"])
+def test_depthwise_small_planes_stay_depthwise(name, dims):
+    """MobileNetV2's 7x7 stages: the fused depthwise kernel serves planes of any size."""
+    small = _small_planes(name, dims)
+    assert small.grad_output[0, 0].numel() < 64
+    aten_override.reset_stats()
+    ours = run_compiled(small)
+    assert_compiled_served("depthwise")
     assert_matches_original(small, ours)
 
 
