@@ -34,6 +34,9 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
 #define ATEN_OVERRIDE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -292,23 +295,74 @@ inline void gather(const Plane& g, double* o, const double* gs, const double* w,
   gather_d(g, o, gs, w, acc);
 }
 
-// dst[i * dst_step] = src[i] for i < n, converting (plain loops: rows can be a few elements).
+// Moves `rows` rows of n elements: dst[r * dst_pitch + i * dst_step] = src[r * src_pitch + i], converting.
+// Plain loops; the AVX-512 versions below take the unit-step float / bfloat16 moves.
 template <typename From, typename To>
-ATEN_OVERRIDE_INLINE void convert_row(const From* src, To* dst, int64_t n, int64_t dst_step) {
-  if (dst_step == 1) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<To>(src[i]);
-  } else {
+void move_rows_generic(
+    const From* src, int64_t src_pitch, To* dst, int64_t dst_pitch, int64_t dst_step, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r, src += src_pitch, dst += dst_pitch) {
     for (int64_t i = 0; i < n; ++i) dst[i * dst_step] = static_cast<To>(src[i]);
   }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define ATEN_OVERRIDE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+// Rows are often a few elements (7x7 planes): one masked load and store each instead of a loop.
+ATEN_OVERRIDE_AVX512 __m512 load_row(const float* src, __mmask16 m) { return _mm512_maskz_loadu_ps(m, src); }
+ATEN_OVERRIDE_AVX512 __m512 load_row(const c10::BFloat16* src, __mmask16 m) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(m, src);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+ATEN_OVERRIDE_AVX512 void store_row(float* dst, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(dst, m, v); }
+// float -> bfloat16 rounded to nearest even, NaN -> 0x7fc0 (c10::BFloat16's conversion).
+ATEN_OVERRIDE_AVX512 void store_row(c10::BFloat16* dst, __m512 v, __mmask16 m) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_mask_storeu_epi16(dst, m, _mm512_cvtepi32_epi16(r));
+}
+
+template <typename From, typename To>
+ATEN_OVERRIDE_AVX512 void move_rows_avx512(
+    const From* src, int64_t src_pitch, To* dst, int64_t dst_pitch, int64_t rows, int64_t n) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
+  for (int64_t r = 0; r < rows; ++r, src += src_pitch, dst += dst_pitch) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) store_row(dst + i, load_row(src + i, 0xffff), 0xffff);
+    if (i < n) store_row(dst + i, load_row(src + i, tail), tail);
+  }
+}
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl");
+  return yes;
+}
+#endif
+
+template <typename From, typename To>
+void move_rows(
+    const From* src, int64_t src_pitch, To* dst, int64_t dst_pitch, int64_t dst_step, int64_t rows, int64_t n) {
+#ifdef ATEN_OVERRIDE_AVX512
+  constexpr bool fast = (std::is_same_v<From, float> || std::is_same_v<From, c10::BFloat16>) &&
+      (std::is_same_v<To, float> || std::is_same_v<To, c10::BFloat16>);
+  if constexpr (fast) {
+    if (dst_step == 1 && has_avx512()) {
+      move_rows_avx512(src, src_pitch, dst, dst_pitch, rows, n);
+      return;
+    }
+  }
+#endif
+  move_rows_generic(src, src_pitch, dst, dst_pitch, dst_step, rows, n);
 }
 
 // Input plane into the interior of xp (its borders stay zero).
 template <typename scalar_t, typename acc_t>
 void pack_input(const Plane& g, const scalar_t* x, acc_t* xp) {
   for (int64_t t = 0; t < g.in_t; ++t) {
-    for (int64_t h = 0; h < g.in_h; ++h) {
-      convert_row(x + (t * g.in_h + h) * g.in_w, xp + g.in_row(t, h), g.in_w, 1);
-    }
+    move_rows(x + t * g.in_h * g.in_w, g.in_w, xp + g.in_row(t, 0), g.pitch, 1, g.in_h, g.in_w);
   }
 }
 
@@ -316,9 +370,8 @@ void pack_input(const Plane& g, const scalar_t* x, acc_t* xp) {
 template <typename scalar_t, typename acc_t>
 void spread_grad_output(const Plane& g, const scalar_t* go, acc_t* gs) {
   for (int64_t t = 0; t < g.out_t; ++t) {
-    for (int64_t h = 0; h < g.out_h; ++h) {
-      convert_row(go + (t * g.out_h + h) * g.out_w, gs + g.out_row(t, h), g.out_w, g.stride_w);
-    }
+    move_rows(
+        go + t * g.out_h * g.out_w, g.out_w, gs + g.out_row(t, 0), g.stride_h * g.pitch, g.stride_w, g.out_h, g.out_w);
   }
 }
 
@@ -326,9 +379,7 @@ void spread_grad_output(const Plane& g, const scalar_t* go, acc_t* gs) {
 template <typename scalar_t, typename acc_t>
 void unpack_grad_input(const Plane& g, const acc_t* gp, scalar_t* gi) {
   for (int64_t t = 0; t < g.in_t; ++t) {
-    for (int64_t h = 0; h < g.in_h; ++h) {
-      convert_row(gp + g.in_row(t, h), gi + (t * g.in_h + h) * g.in_w, g.in_w, 1);
-    }
+    move_rows(gp + g.in_row(t, 0), g.pitch, gi + t * g.in_h * g.in_w, g.in_w, 1, g.in_h, g.in_w);
   }
 }
 
