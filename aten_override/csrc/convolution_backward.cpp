@@ -408,21 +408,21 @@ at::Tensor compute_into(at::Tensor out, F compute) {
   return out;
 }
 
-// Depthwise: grad_input and grad_weight in one fused pass (cpu/depthwise.cpp).
-std::pair<at::Tensor, at::Tensor> depthwise_backward(
-    const Args& a, const OutputLayout& layout, const DirectProblem& p, const at::Tensor& go) {
-  at::Tensor gi, gw, gi_buffer, gw_buffer;
+// Depthwise: grad_input, grad_weight and grad_bias in one fused pass (cpu/depthwise.cpp).
+Result depthwise_backward(const Args& a, const OutputLayout& layout, const DirectProblem& p, const at::Tensor& go) {
+  at::Tensor gi, gw, gb, gi_buffer, gw_buffer;
   const auto contiguous_buffer = [](const at::Tensor& out) {
     return out.is_contiguous() ? out : at::empty(out.sizes(), out.options().memory_format(at::MemoryFormat::Contiguous));
   };
   if (a.output_mask[0]) gi_buffer = contiguous_buffer(gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt));
   if (a.output_mask[1]) gw_buffer = contiguous_buffer(gw = empty_like_native_weight(a.weight, layout));
+  if (a.output_mask[2]) gb = at::empty({go.size(1)}, go.options());
   depthwise_backward_cpu(
       p, go, a.output_mask[1] ? a.input.contiguous() : at::Tensor(), a.output_mask[0] ? a.weight.contiguous() : at::Tensor(),
-      gi.defined() ? &gi_buffer : nullptr, gw.defined() ? &gw_buffer : nullptr);
+      gi.defined() ? &gi_buffer : nullptr, gw.defined() ? &gw_buffer : nullptr, gb.defined() ? &gb : nullptr);
   if (gi.defined() && !gi.is_same(gi_buffer)) gi.copy_(gi_buffer);
   if (gw.defined() && !gw.is_same(gw_buffer)) gw.copy_(gw_buffer);
-  return {gi, gw};
+  return {gi, gw, gb};
 }
 
 Result direct_backward(const Args& a, const Expanded& e) {
@@ -430,15 +430,14 @@ Result direct_backward(const Args& a, const Expanded& e) {
   const DirectProblem p = direct_problem(a, e);
   const at::Tensor go = a.grad_output.contiguous();
   at::Tensor gi, gw, gb;
-  if (p.in_per_group == 1 && p.groups > 1) {
-    std::tie(gi, gw) = depthwise_backward(a, layout, p, go);
-  } else if (a.output_mask[0]) {
+  if (p.in_per_group == 1 && p.groups > 1) return depthwise_backward(a, layout, p, go);
+  if (a.output_mask[0]) {
     const at::Tensor w = a.weight.contiguous();
     gi = compute_into(empty_like_native(a.input.sizes(), a.input.options(), layout.fmt), [&](at::Tensor& out) {
       direct_grad_input_cpu(p, go, w, out);
     });
   }
-  if (a.output_mask[1] && !(p.in_per_group == 1 && p.groups > 1)) {
+  if (a.output_mask[1]) {
     const at::Tensor x = a.input.contiguous();
     gw = compute_into(empty_like_native_weight(a.weight, layout), [&](at::Tensor& out) {
       direct_grad_weight_cpu(p, go, x, out);

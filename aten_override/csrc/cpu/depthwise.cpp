@@ -276,6 +276,26 @@ ATEN_OVERRIDE_INLINE void gather_plane(
   }
 }
 
+// acc (one vector) += the sum of one grad_output plane (`gs`, from its margin): grad_bias.
+template <typename acc_t>
+ATEN_OVERRIDE_INLINE void sum_plane(const Plane& g, acc_t* acc, const acc_t* gs) {
+  using V = Vec<acc_t>;
+  auto sum = V::load(acc);
+  const int64_t width = g.flat ? round_up<acc_t>(g.span()) : round_up<acc_t>((g.out_w - 1) * g.stride_w + 1);
+  for (int64_t t = 0; t < (g.flat ? 1 : g.out_t); ++t) {
+    for (int64_t h = 0; h < (g.flat ? 1 : g.out_h); ++h) {
+      const acc_t* row = gs + g.out_row(t, h);
+      for (int64_t j = 0; j < width; j += V::size) sum += V::load(row + j);
+    }
+  }
+  V::store(acc, sum);
+}
+
+ATEN_OVERRIDE_CLONES void sum_f(const Plane& g, float* a, const float* gs) { sum_plane(g, a, gs); }
+ATEN_OVERRIDE_CLONES void sum_d(const Plane& g, double* a, const double* gs) { sum_plane(g, a, gs); }
+inline void sum(const Plane& g, float* a, const float* gs) { sum_f(g, a, gs); }
+inline void sum(const Plane& g, double* a, const double* gs) { sum_d(g, a, gs); }
+
 ATEN_OVERRIDE_CLONES void correlate_f(const Plane& g, float* a, const float* gs, const float* xp) {
   correlate_plane(g, a, gs, xp);
 }
@@ -422,57 +442,67 @@ using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, fl
 // one channel's): the hardware prefetchers need a few KiB of one stream to reach full speed.
 constexpr int64_t kBlockBytes = 64 << 10;
 
-// gi / gw null when not wanted (then w / x may be null too).
+// Each of gi / gw / gb is null when not wanted (then w / x may be null too).
 template <typename scalar_t>
 void depthwise_impl(
-    const DirectProblem& p, const scalar_t* go, const scalar_t* x, const scalar_t* w, scalar_t* gi, scalar_t* gw) {
+    const DirectProblem& p, const scalar_t* go, const scalar_t* x, const scalar_t* w, scalar_t* gi, scalar_t* gw,
+    scalar_t* gb) {
   using acc_t = acc_type<scalar_t>;
   constexpr int64_t L = Vec<acc_t>::size;
   const Plane g = make_plane(p, L);
   const int64_t channels = p.groups, multiplier = p.out_per_group;
   const int64_t in_plane = p.in[0] * p.in[1] * p.in[2], out_plane = p.out[0] * p.out[1] * p.out[2];
   const int64_t per_channel = multiplier * g.taps;  // grad_weight / weight elements of one input channel
-  // Tasks: blocks of input channels, each summing its grad_weight over the whole batch (sample by
-  // sample, so the sums do not depend on the blocks), or without grad_weight (sample, channel) planes.
-  // A block spans enough channels that each sample's planes of the block are kBlockBytes of contiguous
-  // memory (small planes would otherwise be read at a large stride, one DRAM latency each).
+  // Tasks: blocks of input channels, each summing its grad_weight / grad_bias over the whole batch
+  // (sample by sample, so the sums do not depend on the blocks), or without those (sample, channel)
+  // planes. A block spans enough channels that each sample's planes of the block are kBlockBytes of
+  // contiguous memory (small planes would otherwise be read at a large stride, one DRAM latency each).
+  const bool by_channel = gw || gb;
   const int64_t plane_bytes = (in_plane + multiplier * out_plane) * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t block = !gw ? 1
+  const int64_t block = !by_channel ? 1
       : std::max<int64_t>(1, std::min<int64_t>(kBlockBytes / plane_bytes, channels / (4 * at::get_num_threads())));
-  const int64_t tasks = gw ? (channels + block - 1) / block : p.batch * channels;
+  const int64_t tasks = by_channel ? (channels + block - 1) / block : p.batch * channels;
   if (gi) advise_huge_pages(gi, p.batch * channels * in_plane * static_cast<int64_t>(sizeof(scalar_t)));
   for_each_chunk(tasks, [&](auto&& next_chunk) {
     std::vector<acc_t> xp(gw ? g.size + g.slack : 0, acc_t(0));
     std::vector<acc_t> gs(g.margin + g.size + g.slack, acc_t(0));
-    std::vector<acc_t> gp(gi ? g.size + g.slack : 0), acc(gw ? block * per_channel * L : 0);
+    std::vector<acc_t> gp(gi ? g.size + g.slack : 0);
+    // One vector of partial sums per grad_weight / grad_bias element of the block.
+    std::vector<acc_t> acc(gw ? block * per_channel * L : 0), bias(gb ? block * multiplier * L : 0);
     acc_t* spread = gs.data() + g.margin;
     std::vector<acc_t> weight(gi ? channels * per_channel : 0);
     if (gi) std::copy(w, w + channels * per_channel, weight.begin());
     for (auto [begin, end] = next_chunk(); begin < end; std::tie(begin, end) = next_chunk()) {
-     for (int64_t task = begin; task < end; ++task) {
-      const int64_t c_begin = gw ? task * block : task % channels;
-      const int64_t c_end = gw ? std::min(channels, c_begin + block) : c_begin + 1;
-      const int64_t n_begin = gw ? 0 : task / channels, n_end = gw ? p.batch : n_begin + 1;
-      std::fill(acc.begin(), acc.end(), acc_t(0));
-      for (int64_t n = n_begin; n < n_end; ++n) {
-        for (int64_t c = c_begin; c < c_end; ++c) {
-          if (gw) pack_input(g, x + (n * channels + c) * in_plane, xp.data());
-          for (int64_t q = 0; q < multiplier; ++q) {
-            spread_grad_output(g, go + ((n * channels + c) * multiplier + q) * out_plane, spread);
-            if (gw) correlate(g, acc.data() + ((c - c_begin) * multiplier + q) * g.taps * L, spread, xp.data());
-            if (gi) gather(g, gp.data(), spread, weight.data() + (c * multiplier + q) * g.taps, q > 0);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t c_begin = by_channel ? task * block : task % channels;
+        const int64_t c_end = by_channel ? std::min(channels, c_begin + block) : c_begin + 1;
+        const int64_t n_begin = by_channel ? 0 : task / channels, n_end = by_channel ? p.batch : n_begin + 1;
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        std::fill(bias.begin(), bias.end(), acc_t(0));
+        for (int64_t n = n_begin; n < n_end; ++n) {
+          for (int64_t c = c_begin; c < c_end; ++c) {
+            if (gw) pack_input(g, x + (n * channels + c) * in_plane, xp.data());
+            for (int64_t q = 0; q < multiplier; ++q) {
+              const int64_t co = c * multiplier + q;  // output channel
+              spread_grad_output(g, go + (n * channels * multiplier + co) * out_plane, spread);
+              if (gw) correlate(g, acc.data() + (co - c_begin * multiplier) * g.taps * L, spread, xp.data());
+              if (gb) sum(g, bias.data() + (co - c_begin * multiplier) * L, spread);
+              if (gi) gather(g, gp.data(), spread, weight.data() + co * g.taps, q > 0);
+            }
+            if (gi) unpack_grad_input(g, gp.data(), gi + (n * channels + c) * in_plane);
           }
-          if (gi) unpack_grad_input(g, gp.data(), gi + (n * channels + c) * in_plane);
         }
+        // Lanes summed in a fixed order.
+        const auto reduce = [&](const std::vector<acc_t>& partial, int64_t count, scalar_t* out) {
+          for (int64_t i = 0; i < count; ++i) {
+            acc_t total = 0;
+            for (int64_t lane = 0; lane < L; ++lane) total += partial[i * L + lane];
+            out[i] = static_cast<scalar_t>(total);
+          }
+        };
+        if (gw) reduce(acc, (c_end - c_begin) * per_channel, gw + c_begin * per_channel);
+        if (gb) reduce(bias, (c_end - c_begin) * multiplier, gb + c_begin * multiplier);
       }
-      if (gw) {
-        for (int64_t i = 0; i < (c_end - c_begin) * per_channel; ++i) {
-          acc_t total = 0;
-          for (int64_t lane = 0; lane < L; ++lane) total += acc[i * L + lane];
-          gw[c_begin * per_channel + i] = static_cast<scalar_t>(total);
-        }
-      }
-     }
     }
   });
 }
@@ -481,16 +511,16 @@ void depthwise_impl(
 
 void depthwise_backward_cpu(
     const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
-    at::Tensor* grad_input, at::Tensor* grad_weight) {
+    at::Tensor* grad_input, at::Tensor* grad_weight, at::Tensor* grad_bias) {
   TORCH_INTERNAL_ASSERT(p.in_per_group == 1 && grad_output.is_contiguous());
   TORCH_INTERNAL_ASSERT(!grad_input || (grad_input->is_contiguous() && weight.is_contiguous()));
   TORCH_INTERNAL_ASSERT(!grad_weight || (grad_weight->is_contiguous() && input.is_contiguous()));
+  TORCH_INTERNAL_ASSERT(!grad_bias || grad_bias->is_contiguous());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_output.scalar_type(), "depthwise_backward_cpu", [&] {
+    const auto data = [](at::Tensor* t) { return t ? t->data_ptr<scalar_t>() : nullptr; };
     depthwise_impl<scalar_t>(
         p, grad_output.const_data_ptr<scalar_t>(), grad_weight ? input.const_data_ptr<scalar_t>() : nullptr,
-        grad_input ? weight.const_data_ptr<scalar_t>() : nullptr,
-        grad_input ? grad_input->data_ptr<scalar_t>() : nullptr,
-        grad_weight ? grad_weight->data_ptr<scalar_t>() : nullptr);
+        grad_input ? weight.const_data_ptr<scalar_t>() : nullptr, data(grad_input), data(grad_weight), data(grad_bias));
   });
 }
 
