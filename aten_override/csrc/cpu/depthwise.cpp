@@ -25,6 +25,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cstring>
 #include <atomic>
 #include <tuple>
 #include <type_traits>
@@ -360,6 +361,19 @@ bool has_avx512() {
       __builtin_cpu_supports("avx512vl");
   return yes;
 }
+
+// memcpy whose whole cache lines bypass the cache (non-temporal stores: no read of the destination
+// line before it is overwritten). The caller issues the store fence. grad_input is written once and
+// never read here, so this saves a quarter of a memory-bound layer's traffic.
+ATEN_OVERRIDE_AVX512 void copy_streaming(const char* src, char* dst, int64_t bytes) {
+  const int64_t head = std::min<int64_t>(bytes, (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64);
+  std::memcpy(dst, src, head);
+  int64_t i = head;
+  for (; i + 64 <= bytes; i += 64) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
+  }
+  std::memcpy(dst + i, src + i, bytes - i);
+}
 #endif
 
 template <typename From, typename To>
@@ -403,6 +417,13 @@ void unpack_grad_input(const Plane& g, const acc_t* gp, scalar_t* gi) {
   }
 }
 
+// Makes this thread's non-temporal stores (copy_streaming) visible before it leaves the parallel region.
+void store_fence() {
+#ifdef ATEN_OVERRIDE_AVX512
+  _mm_sfence();
+#endif
+}
+
 // Hints the kernel to back a freshly allocated output of `bytes` bytes with transparent huge pages
 // (as c10's THP_MEM_ALLOC_ENABLE does for every large CPU allocation): its first touch then costs one
 // fault per 2 MiB instead of per 4 KiB (measured: 38 MB written in 7 ms instead of 18 ms, one thread).
@@ -441,6 +462,8 @@ using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, fl
 // Bytes of one sample's input and grad_output planes a grad_weight task reads contiguously (at least
 // one channel's): the hardware prefetchers need a few KiB of one stream to reach full speed.
 constexpr int64_t kBlockBytes = 64 << 10;
+// Smallest grad_input (bytes) written with non-temporal stores.
+constexpr int64_t kStreamBytes = 8 << 20;
 
 // Each of gi / gw / gb is null when not wanted (then w / x may be null too).
 template <typename scalar_t>
@@ -454,19 +477,29 @@ void depthwise_impl(
   const int64_t in_plane = p.in[0] * p.in[1] * p.in[2], out_plane = p.out[0] * p.out[1] * p.out[2];
   const int64_t per_channel = multiplier * g.taps;  // grad_weight / weight elements of one input channel
   // Tasks: blocks of input channels, each summing its grad_weight / grad_bias over the whole batch
-  // (sample by sample, so the sums do not depend on the blocks), or without those (sample, channel)
-  // planes. A block spans enough channels that each sample's planes of the block are kBlockBytes of
+  // (sample by sample, so the sums do not depend on the blocks), or without those (sample, block of
+  // channels). A block spans enough channels that each sample's planes of the block are kBlockBytes of
   // contiguous memory (small planes would otherwise be read at a large stride, one DRAM latency each).
   const bool by_channel = gw || gb;
   const int64_t plane_bytes = (in_plane + multiplier * out_plane) * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t block = !by_channel ? 1
-      : std::max<int64_t>(1, std::min<int64_t>(kBlockBytes / plane_bytes, channels / (4 * at::get_num_threads())));
-  const int64_t tasks = by_channel ? (channels + block - 1) / block : p.batch * channels;
-  if (gi) advise_huge_pages(gi, p.batch * channels * in_plane * static_cast<int64_t>(sizeof(scalar_t)));
+  const int64_t block =
+      std::max<int64_t>(1, std::min<int64_t>(kBlockBytes / plane_bytes, channels / (4 * at::get_num_threads())));
+  const int64_t blocks = (channels + block - 1) / block;
+  const int64_t tasks = by_channel ? blocks : p.batch * blocks;
+  const int64_t gi_bytes = gi ? p.batch * channels * in_plane * static_cast<int64_t>(sizeof(scalar_t)) : 0;
+  if (gi) advise_huge_pages(gi, gi_bytes);
+#ifdef ATEN_OVERRIDE_AVX512
+  // Only outputs far larger than the caches are worth streaming past them.
+  const bool stream = gi_bytes >= kStreamBytes && has_avx512();
+#else
+  const bool stream = false;
+#endif
   for_each_chunk(tasks, [&](auto&& next_chunk) {
     std::vector<acc_t> xp(gw ? g.size + g.slack : 0, acc_t(0));
     std::vector<acc_t> gs(g.margin + g.size + g.slack, acc_t(0));
     std::vector<acc_t> gp(gi ? g.size + g.slack : 0);
+    // grad_input of one sample's block of channels (contiguous in grad_input), when streamed.
+    std::vector<scalar_t> staging(stream ? block * in_plane : 0);
     // One vector of partial sums per grad_weight / grad_bias element of the block.
     std::vector<acc_t> acc(gw ? block * per_channel * L : 0), bias(gb ? block * multiplier * L : 0);
     acc_t* spread = gs.data() + g.margin;
@@ -474,9 +507,8 @@ void depthwise_impl(
     if (gi) std::copy(w, w + channels * per_channel, weight.begin());
     for (auto [begin, end] = next_chunk(); begin < end; std::tie(begin, end) = next_chunk()) {
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t c_begin = by_channel ? task * block : task % channels;
-        const int64_t c_end = by_channel ? std::min(channels, c_begin + block) : c_begin + 1;
-        const int64_t n_begin = by_channel ? 0 : task / channels, n_end = by_channel ? p.batch : n_begin + 1;
+        const int64_t c_begin = (task % blocks) * block, c_end = std::min(channels, c_begin + block);
+        const int64_t n_begin = by_channel ? 0 : task / blocks, n_end = by_channel ? p.batch : n_begin + 1;
         std::fill(acc.begin(), acc.end(), acc_t(0));
         std::fill(bias.begin(), bias.end(), acc_t(0));
         for (int64_t n = n_begin; n < n_end; ++n) {
@@ -489,8 +521,18 @@ void depthwise_impl(
               if (gb) sum(g, bias.data() + (co - c_begin * multiplier) * L, spread);
               if (gi) gather(g, gp.data(), spread, weight.data() + co * g.taps, q > 0);
             }
-            if (gi) unpack_grad_input(g, gp.data(), gi + (n * channels + c) * in_plane);
+            if (gi) {
+              unpack_grad_input(
+                  g, gp.data(), stream ? staging.data() + (c - c_begin) * in_plane : gi + (n * channels + c) * in_plane);
+            }
           }
+#ifdef ATEN_OVERRIDE_AVX512
+          if (stream) {
+            copy_streaming(
+                reinterpret_cast<const char*>(staging.data()), reinterpret_cast<char*>(gi + (n * channels + c_begin) * in_plane),
+                (c_end - c_begin) * in_plane * static_cast<int64_t>(sizeof(scalar_t)));
+          }
+#endif
         }
         // Lanes summed in a fixed order.
         const auto reduce = [&](const std::vector<acc_t>& partial, int64_t count, scalar_t* out) {
@@ -504,6 +546,7 @@ void depthwise_impl(
         if (gb) reduce(bias, (c_end - c_begin) * multiplier, gb + c_begin * multiplier);
       }
     }
+    if (stream) store_fence();
   });
 }
 
