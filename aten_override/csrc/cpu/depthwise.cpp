@@ -1,6 +1,6 @@
-// The fused depthwise kernel of the compiled backend: grad_input and grad_weight of a depthwise
-// convolution (groups == C_in, any channel multiplier C_out / C_in), 1-D/2-D/3-D, any stride, padding
-// and dilation (not transposed), in one pass over grad_output and input.
+// The fused depthwise kernel of the compiled backend: grad_input, grad_weight and grad_bias of a
+// depthwise convolution (groups == C_in, any channel multiplier C_out / C_in), 1-D/2-D/3-D, any
+// stride, padding and dilation (not transposed), in one pass over grad_output and input.
 //
 // Each (sample, input channel) plane is handled while it is in L1/L2: its input plane is copied (as
 // acc_t) into the interior of a zero-padded buffer `xp`, and each of its grad_output planes is spread
@@ -8,15 +8,19 @@
 // tap 0 (o * stride; zeros elsewhere). Then with off[k] = the padded-plane offset of kernel tap k:
 //   grad_weight[k] += sum_j gs[j] * xp[j + off[k]]          (correlation)
 //   grad_input_padded[j] = sum_k weight[k] * gs[j - off[k]]  (gather: each element written once)
-// Both are unit-stride loops over j. With every stride 1 they run over the whole plane as one flat
+//   grad_bias += sum_j gs[j]
+// All are unit-stride loops over j. With every stride 1 they run over the whole plane as one flat
 // 1-D range, however short its rows (MobileNetV2's 7x7 planes); with strides they run row by row,
 // skipping the grad_output rows that are all zeros (H/D) and the taps that only meet such rows.
 // The padded borders of `xp` and the gaps of `gs` are zeroed once per thread, never per plane.
+// grad_weight / grad_bias sums are kept per vector lane and reduced once per channel.
 //
-// Parallel over input channels when grad_weight is wanted (each thread sums its channels' grad_weight
-// over the batch in sample order), else over (sample, channel) planes: no atomics, and every result
-// is independent of the thread count (deterministic). float16 / bfloat16 convert into the acc_t
-// (float32) buffers while packing, so there is no separate conversion pass.
+// Tasks are blocks of channels (whole batch) when grad_weight or grad_bias is wanted, else (sample,
+// block of channels); threads take chunks of tasks as they finish (for_each_chunk). Every output
+// element is computed by one task in a fixed order: no atomics on results, and every result is
+// independent of the thread count (deterministic). float16 / bfloat16 convert into the acc_t
+// (float32) buffers while packing, so there is no separate conversion pass. Large grad_input outputs
+// are hinted to use huge pages and written with non-temporal stores.
 #include "../convolution_backward.h"
 
 #include <ATen/Dispatch.h>
@@ -25,8 +29,8 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <cstring>
 #include <atomic>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <utility>
