@@ -487,7 +487,7 @@ void depthwise_impl(
   const bool by_channel = gw || gb;
   const int64_t plane_bytes = (in_plane + multiplier * out_plane) * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t block =
-      std::max<int64_t>(1, std::min<int64_t>(kBlockBytes / plane_bytes, channels / (4 * at::get_num_threads())));
+      std::max<int64_t>(1, std::min<int64_t>(kBlockBytes / plane_bytes, channels / (8 * at::get_num_threads())));
   const int64_t blocks = (channels + block - 1) / block;
   const int64_t tasks = by_channel ? blocks : p.batch * blocks;
   const int64_t gi_bytes = gi ? p.batch * channels * in_plane * static_cast<int64_t>(sizeof(scalar_t)) : 0;
