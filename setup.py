@@ -25,10 +25,14 @@ def _extensions():
     # CUDA keys route to the original kernel ("no CUDA kernels in this build"): there is no .cu source
     # yet, so the extension is a CppExtension even when torch has CUDA.
     del torch
+    # at::parallel_for is header code: it only runs in parallel when the extension itself is compiled
+    # with OpenMP (ATen/ParallelOpenMP.h), else it runs serially. torch's Linux CPU build links libgomp.
+    openmp = ["-fopenmp"] if sys.platform.startswith("linux") else ["-fopenmp-simd"]
     ext = CppExtension(
         "aten_override._C",
         sources,
-        extra_compile_args=["-O3", "-fopenmp-simd", "-fno-math-errno"],
+        extra_compile_args=["-O3", *openmp, "-fno-math-errno"],
+        extra_link_args=openmp if sys.platform.startswith("linux") else [],
     )
     return [ext], {"build_ext": _OptionalBuildExt.wrap(BuildExtension)}
 
