@@ -443,15 +443,27 @@ void advise_huge_pages(void* data, int64_t bytes) {
 #endif
 }
 
+// at::internal::GRAIN_SIZE, the size of one parallel task in ATen's elementwise kernels.
+constexpr int64_t kSerialElements = 32768;
+
 // Runs body(next_chunk) once per thread of at::parallel_for; next_chunk() hands out consecutive
 // [begin, end) ranges of [0, tasks) (empty when none is left) to whichever thread asks first, so a
 // thread that gets less CPU (a busy machine) takes fewer tasks. Each task's result does not depend on
 // which thread computes it.
+// Problems of fewer than kSerialElements elements (grad_output + input) run on the calling thread.
 template <typename Body>
-void for_each_chunk(int64_t tasks, Body&& body) {
-  const int64_t threads = at::get_num_threads();
+void for_each_chunk(int64_t tasks, int64_t elements, Body&& body) {
+  const int64_t threads = elements < kSerialElements ? 1 : at::get_num_threads();
   const int64_t chunk = std::max<int64_t>(1, tasks / (8 * threads));
   std::atomic<int64_t> next{0};
+  if (threads == 1) {
+    body([&, done = false]() mutable -> std::pair<int64_t, int64_t> {
+      const int64_t end = done ? 0 : tasks;
+      done = true;
+      return {0, end};
+    });
+    return;
+  }
   at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
     body([&]() -> std::pair<int64_t, int64_t> {
       const int64_t begin = std::min(tasks, next.fetch_add(chunk, std::memory_order_relaxed));
@@ -505,7 +517,7 @@ void depthwise_impl(
 #else
   const bool stream = false;
 #endif
-  for_each_chunk(tasks, [&](auto&& next_chunk) {
+  for_each_chunk(tasks, p.batch * channels * (in_plane + multiplier * out_plane), [&](auto&& next_chunk) {
     std::vector<acc_t> xp(gw ? g.size + g.slack : 0, acc_t(0));
     std::vector<acc_t> gs(g.margin + g.size + g.slack, acc_t(0));
     std::vector<acc_t> gp(gi ? g.size + g.slack : 0);
