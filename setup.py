@@ -29,14 +29,20 @@ def _extensions():
         print(f"aten_override: not building the C++ extension ({type(e).__name__}: {e})", file=sys.stderr)
         return [], {}
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
-    cxx_flags = ["-O3", "-fopenmp-simd", "-fno-math-errno"]
-    cpu_ext = CppExtension("aten_override._C", sources, extra_compile_args=cxx_flags)
+    # at::parallel_for is header code: it only runs in parallel when the extension itself is compiled
+    # with OpenMP (ATen/ParallelOpenMP.h), else it runs serially. torch's Linux CPU build links libgomp.
+    linux = sys.platform.startswith("linux")
+    openmp = ["-fopenmp"] if linux else ["-fopenmp-simd"]
+    cxx_flags = ["-O3", *openmp, "-fno-math-errno"]
+    link_flags = openmp if linux else []
+    cpu_ext = CppExtension("aten_override._C", sources, extra_compile_args=cxx_flags, extra_link_args=link_flags)
     ext = cpu_ext
     if torch.version.cuda is not None and CUDA_HOME is not None:
         ext = CUDAExtension(
             "aten_override._C",
             sources + sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu"))),
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
+            extra_link_args=link_flags,
             define_macros=[("ATEN_OVERRIDE_WITH_CUDA", None)],
         )
     # Without CUDA, CUDA calls route to the original kernel ("no CUDA kernels in this build").

@@ -62,16 +62,16 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "zero batch or zero input channels (upstream's Empty backend): zeros; bias_sizes=None gives zeros(C_out) "
      "instead of upstream's abort"},
     {"depthwise", "direct",
-     "groups == C_in (channel multiplier C_out / C_in >= 1): native's depthwise paths reach 1-6% of FLOP peak; "
-     "fused direct kernel, memory-bound"},
+     "groups == C_in (channel multiplier C_out / C_in >= 1), any plane size: native's depthwise paths reach 1-6% "
+     "of FLOP peak; fused kernel (cpu/depthwise.cpp), one pass over grad_output and input"},
     {"grouped", "direct",
      "1 < groups < C_in with (C_in / groups) * (C_out / groups) <= 64 (ResNeXt layer1): native reaches 7-13% of peak; "
      "direct kernel per group"},
     {"one-channel", "direct",
      "groups == 1 and C_in == 1 (wav2vec2's first layer): native reaches 3% of peak; direct kernel"},
     {"small-planes", "native",
-     "depthwise / grouped / one-channel with under 64 output elements per channel (MobileNetV2's 7x7 stages): the "
-     "direct kernel's per-plane overhead loses to native there (use native)"},
+     "grouped / one-channel with under 64 output elements per channel: the direct kernel's per-plane overhead "
+     "loses to native there (use native); depthwise small planes (MobileNetV2's 7x7 stages) stay depthwise"},
     {"dense", "native",
      "dense 1-D / 2-D layers, and the layers the GEMM classes below leave to native (float16; bfloat16 but "
      "pointwise; pointwise and 3-D layers native does not send to oneDNN / Slow3d): native's oneDNN / GEMM "
@@ -107,7 +107,7 @@ constexpr int64_t kDirectMaxChannelPairs = 64;
 
 // Fewest grad_output elements per channel the direct kernel takes: below, its fixed cost per plane
 // (packing, zeroing, tap blocks) dominates; measured on MobileNetV2's 7x7 depthwise stage at ~2x
-// native's time.
+// native's time. Depthwise layers take the fused kernel instead, whose per-plane cost is small.
 constexpr int64_t kDirectMinPlane = 64;
 
 // Fewest grad_output elements for which the pointwise / 3-D GEMM classes ask which path native would
@@ -395,7 +395,10 @@ LayerClass classify(const Args& a, const Expanded& e) {
   } else if (a.groups > 1 && in_per_group * out_per_group <= kDirectMaxChannelPairs) {
     direct = LayerClass::Grouped;
   }
-  if (direct != LayerClass::Dense && a.grad_output[0][0].numel() < kDirectMinPlane) return LayerClass::SmallPlanes;
+  if ((direct == LayerClass::Grouped || direct == LayerClass::OneChannel) &&
+      a.grad_output[0][0].numel() < kDirectMinPlane) {
+    return LayerClass::SmallPlanes;
+  }
   if (direct == LayerClass::Dense) return gemm_class(a, e);
   return direct;
 }
@@ -534,11 +537,30 @@ at::Tensor compute_into(at::Tensor out, F compute) {
   return out;
 }
 
+// Depthwise: grad_input, grad_weight and grad_bias in one fused pass (cpu/depthwise.cpp).
+Result depthwise_backward(const Args& a, const OutputLayout& layout, const DirectProblem& p, const at::Tensor& go) {
+  at::Tensor gi, gw, gb, gi_buffer, gw_buffer;
+  const auto contiguous_buffer = [](const at::Tensor& out) {
+    return out.is_contiguous() ? out : at::empty(out.sizes(), out.options().memory_format(at::MemoryFormat::Contiguous));
+  };
+  if (a.output_mask[0]) gi_buffer = contiguous_buffer(gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt));
+  if (a.output_mask[1]) gw_buffer = contiguous_buffer(gw = empty_like_native_weight(a.weight, layout));
+  if (a.output_mask[2]) gb = at::empty({go.size(1)}, go.options());
+  depthwise_backward_cpu(
+      p, go, a.output_mask[1] ? a.input.contiguous() : at::Tensor(), a.output_mask[0] ? a.weight.contiguous() : at::Tensor(),
+      gi.defined() ? &gi_buffer : nullptr, gw.defined() ? &gw_buffer : nullptr, gb.defined() ? &gb : nullptr);
+  if (gi.defined() && !gi.is_same(gi_buffer)) gi.copy_(gi_buffer);
+  if (gw.defined() && !gw.is_same(gw_buffer)) gw.copy_(gw_buffer);
+  return {gi, gw, gb};
+}
+
 Result direct_backward(const Args& a, const Expanded& e) {
   const OutputLayout layout = output_layout(a);
   const DirectProblem p = direct_problem(a, e);
   const at::Tensor go = a.grad_output.contiguous();
   at::Tensor gi, gw, gb;
+  // Depthwise on the CPU: the fused kernel (cpu/depthwise.cpp); on CUDA the direct kernels below.
+  if (p.in_per_group == 1 && p.groups > 1 && go.is_cpu()) return depthwise_backward(a, layout, p, go);
   if (a.output_mask[0]) {
     const at::Tensor w = a.weight.contiguous();
     gi = compute_into(empty_like_native(a.input.sizes(), a.input.options(), layout.fmt), [&](at::Tensor& out) {

@@ -66,4 +66,11 @@ void gemm_backward_cpu(
     GemmAlgorithm algorithm, const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight);
 
+// The fused depthwise kernel (cpu/depthwise.cpp): groups == C_in (in_per_group == 1), any channel
+// multiplier. grad_input / grad_weight as above and grad_bias (C_out,), each computed when its pointer
+// is not null (then weight / input must be defined), all in one pass over grad_output.
+void depthwise_backward_cpu(
+    const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    at::Tensor* grad_input, at::Tensor* grad_weight, at::Tensor* grad_bias);
+
 }  // namespace aten_override

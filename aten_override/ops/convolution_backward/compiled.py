@@ -15,12 +15,13 @@ class                kernel   why
 ==================== ======== =================================================================
 empty                zeros    zero batch / zero input channels (upstream's Empty backend); no abort
                               with ``bias_sizes=None``
-depthwise            direct   ``groups == C_in`` (any channel multiplier): native reaches 1-6% of
-                              FLOP peak; fused direct kernel (``csrc/cpu/direct.cpp``)
+depthwise            direct   ``groups == C_in`` (any channel multiplier, any plane size): native
+                              reaches 1-6% of FLOP peak; fused kernel (``csrc/cpu/depthwise.cpp``),
+                              grad_input and grad_weight in one pass over grad_output and input
 grouped              direct   ``1 < groups < C_in``, ``(C_in/groups)*(C_out/groups) <= 64``; larger groups: dense
 one-channel          direct   ``groups == 1, C_in == 1`` (wav2vec2's first layer)
-small-planes         native   one of the three above with under 64 output elements per channel
-                              (MobileNetV2's 7x7 stages): the direct kernel's per-plane cost loses there
+small-planes         native   grouped / one-channel with under 64 output elements per channel: the
+                              direct kernel's per-plane cost loses there (depthwise stays depthwise)
 dense                native   dense 1-D/2-D layers, and what the GEMM classes below leave to native:
                               native is near the hardware limit there, or as fast
 transposed           native   no compiled kernel yet
@@ -45,8 +46,8 @@ backend. A *fallback* (:func:`unsupported_reason` is not ``None``: integer / com
 layouts, CUDA tensors unless the CUDA kernels are enabled) runs the original kernel with the reason
 recorded in :func:`aten_override.stats`.
 
-float16 / bfloat16 accumulate in float32; the direct kernel does not use atomics and its result
-does not depend on the thread count. The GEMM kernels use no atomics either (two runs give the same
+float16 / bfloat16 accumulate in float32; the direct kernels do not use atomics and their results
+do not depend on the thread count. The GEMM kernels use no atomics either (two runs give the same
 bits); their sums go through MKL / oneDNN.
 
 CUDA: when torch has CUDA, ``setup.py`` also builds ``csrc/cuda/direct.cu``, the direct kernel of the

@@ -398,16 +398,65 @@ def test_unsupported_dtype_falls_back_with_reason():
     assert stats["fallback_reasons"] == {"compiled: " + compiled.unsupported_reason(args): 1}
 
 
-def test_small_planes_go_to_native():
-    layer = LAYERS["depthwise"]
-    args = make_args(layer, GEOMETRIES[0], 2)
-    small = dataclasses.replace(
-        args, input=args.input[:, :, :7, :7].contiguous(), grad_output=args.grad_output[:, :, :7, :7].contiguous()
+def _small_planes(name: str, dims: int = 2) -> ConvolutionBackwardArgs:
+    """Planes of 7, 7x7 and 1x7x7: under the direct kernel's 64 output elements per channel."""
+    args = make_args(LAYERS[name], GEOMETRIES[0], dims)
+    window = (slice(None), slice(None)) + (slice(0, 1),) * (dims - 2) + (slice(0, 7),) * min(dims, 2)
+    return dataclasses.replace(
+        args, input=args.input[window].contiguous(), grad_output=args.grad_output[window].contiguous()
     )
+
+
+def test_small_planes_go_to_native():
+    small = _small_planes("grouped")
     assert compiled.layer_class(small) == "small-planes"
     aten_override.reset_stats()
     ours = run_compiled(small)
     assert_compiled_served("small-planes")
+    assert_matches_original(small, ours)
+
+
+@pytest.mark.parametrize("output_mask", [(True, True, True), (True, False, False), (False, True, True)], ids=_mask_name)
+def test_depthwise_large_output(output_mask):
+    """A grad_input of 10 MiB (written with non-temporal stores) and 32x32 planes (several channels per
+    task): the original kernel's values (float32; the float64 reference is in the matrix above), and
+    bitwise the same with one thread."""
+    g = torch.Generator().manual_seed(0)
+    n, c = 5, 512
+    args = ConvolutionBackwardArgs(
+        torch.randn(n, c, 32, 32, generator=g), torch.randn(n, c, 32, 32, generator=g),
+        torch.randn(c, 1, 3, 3, generator=g), [c], [1], [1], [1], False, [0], c, list(output_mask),
+    )
+    assert args.input.numel() * 4 >= 8 << 20
+    aten_override.reset_stats()
+    ours = run_compiled(args)
+    assert_compiled_served("depthwise")
+    ref = aten_override.original_kernel("cpu")(*args.as_aten_args())
+    for name, a, b in zip(("grad_input", "grad_weight", "grad_bias"), ours, ref):
+        if a is None:
+            continue
+        assert a.stride() == b.stride(), name
+        # Sums over 5 * 32 * 32 products (grad_weight): float32 rounding of either kernel.
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3, msg=lambda m: f"{name}: {m}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = run_compiled(args)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(ours, single):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3], ids=lambda d: f"dim={d}")
+@pytest.mark.parametrize("name", ["depthwise", "depthwise-x2"])
+def test_depthwise_small_planes_stay_depthwise(name, dims):
+    """MobileNetV2's 7x7 stages: the fused depthwise kernel serves planes of any size."""
+    small = _small_planes(name, dims)
+    assert small.grad_output[0, 0].numel() < 64
+    aten_override.reset_stats()
+    ours = run_compiled(small)
+    assert_compiled_served("depthwise")
     assert_matches_original(small, ours)
 
 
