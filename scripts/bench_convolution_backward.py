@@ -104,7 +104,8 @@ def measure_bandwidth() -> float:
     """Bytes/s of a 256 MiB copy (read + write)."""
     src = torch.empty(64 << 20, dtype=torch.float32).fill_(1)
     dst = torch.empty_like(src)
-    t = benchmark.Timer("dst.copy_(src)", globals={"dst": dst, "src": src}).blocked_autorange(min_run_time=0.5)
+    timer = benchmark.Timer("dst.copy_(src)", globals={"dst": dst, "src": src}, num_threads=torch.get_num_threads())
+    t = timer.blocked_autorange(min_run_time=0.5)
     return 2 * src.numel() * 4 / t.median
 
 
@@ -150,7 +151,8 @@ def time_interleaved(backends, args, rounds: int, min_run_time: float) -> dict[s
     samples = {b: [] for b in backends}
     for _ in range(rounds):
         for b in backends:
-            t = benchmark.Timer("call(b, args)", globals={"call": call, "b": b, "args": args})
+            # Timer runs at num_threads=1 unless told: time at the thread count main() set.
+            t = benchmark.Timer("call(b, args)", globals={"call": call, "b": b, "args": args}, num_threads=torch.get_num_threads())
             samples[b].append(t.blocked_autorange(min_run_time=min_run_time).median)
     return {b: statistics.median(v) for b, v in samples.items()}
 
@@ -258,7 +260,8 @@ def measure_overhead(device: str, backends: list[str], rounds: int = 15) -> int:
             if ctx:
                 ctx.__enter__()
             try:
-                samples[b].append(benchmark.Timer(stmt, globals=env).blocked_autorange(min_run_time=0.05).median)
+                timer = benchmark.Timer(stmt, globals=env, num_threads=torch.get_num_threads())
+                samples[b].append(timer.blocked_autorange(min_run_time=0.05).median)
             finally:
                 if ctx:
                     ctx.__exit__(None, None, None)
