@@ -602,6 +602,10 @@ Result gemm_backward(const Args& a, const Expanded& e, GemmAlgorithm algorithm) 
   return {gi, gw, gb};
 }
 
+bool all_finite(const at::Tensor& t) {
+  return at::isfinite(t).all().item<bool>();
+}
+
 // The compiled backend's result for a call it serves (unsupported_reason() was nullopt).
 Result compiled_backward(const Args& a) {
   const Expanded e = check_args(a);
@@ -613,7 +617,17 @@ Result compiled_backward(const Args& a) {
     case LayerClass::Depthwise:
     case LayerClass::Grouped:
     case LayerClass::OneChannel:
-      if (direct_kernel_serves(cls, a.grad_output)) return direct_backward(a, e);
+      if (direct_kernel_serves(cls, a.grad_output)) {
+        // The CPU direct kernels sum over zero-padded planes: an inf in weight (grad_input) or input
+        // (grad_weight) times a padding zero is NaN where native skips the term. A non-finite weight
+        // goes to native up front (it is small); a non-finite grad_weight (input or grad_output had
+        // inf / NaN) is recomputed by native, so such calls give native's values.
+        const bool cpu = a.grad_output.is_cpu();
+        if (cpu && a.output_mask[0] && !all_finite(a.weight)) break;
+        auto result = direct_backward(a, e);
+        if (cpu && a.output_mask[1] && !all_finite(std::get<1>(result))) break;
+        return result;
+      }
       break;  // CUDA: no kernel of ours for this class (or CUDA kernels disabled): native
     case LayerClass::Pointwise:
     case LayerClass::GroupedGemm:

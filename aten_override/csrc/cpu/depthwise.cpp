@@ -13,7 +13,8 @@
 // 1-D range, however short its rows (MobileNetV2's 7x7 planes); with strides they run row by row,
 // skipping the grad_output rows that are all zeros (H/D) and the taps that only meet such rows.
 // The padded borders of `xp` and the gaps of `gs` are zeroed once per thread, never per plane.
-// grad_weight / grad_bias sums are kept per vector lane and reduced once per channel.
+// grad_weight / grad_bias sums are kept per vector lane for one sample, then added into a double
+// total per element (sample by sample, in a fixed order).
 //
 // Tasks are blocks of channels (whole batch) when grad_weight or grad_bias is wanted, else (sample,
 // block of channels); threads take chunks of tasks as they finish (for_each_chunk). Every output
@@ -523,8 +524,11 @@ void depthwise_impl(
     std::vector<acc_t> gp(gi ? g.size + g.slack : 0);
     // grad_input of one sample's block of channels (contiguous in grad_input), when streamed.
     std::vector<scalar_t> staging(stream ? block * in_plane : 0);
-    // One vector of partial sums per grad_weight / grad_bias element of the block.
+    // One vector of partial sums per grad_weight / grad_bias element of the block, for one sample;
+    // each sample's lanes are then added, in a fixed order, into a double total per element (a
+    // float32 running sum over the whole batch would lose digits that native's cascade sum keeps).
     std::vector<acc_t> acc(gw ? block * per_channel * L : 0), bias(gb ? block * multiplier * L : 0);
+    std::vector<double> acc_total(gw ? block * per_channel : 0), bias_total(gb ? block * multiplier : 0);
     acc_t* spread = gs.data() + g.margin;
     std::vector<acc_t> weight(gi ? channels * per_channel : 0);
     if (gi) std::copy(w, w + channels * per_channel, weight.begin());
@@ -532,9 +536,19 @@ void depthwise_impl(
       for (int64_t task = begin; task < end; ++task) {
         const int64_t c_begin = (task % blocks) * block, c_end = std::min(channels, c_begin + block);
         const int64_t n_begin = by_channel ? 0 : task / blocks, n_end = by_channel ? p.batch : n_begin + 1;
-        std::fill(acc.begin(), acc.end(), acc_t(0));
-        std::fill(bias.begin(), bias.end(), acc_t(0));
+        std::fill(acc_total.begin(), acc_total.end(), 0.0);
+        std::fill(bias_total.begin(), bias_total.end(), 0.0);
+        // Lanes summed in a fixed order, added to the per-element totals.
+        const auto fold = [&](const std::vector<acc_t>& partial, int64_t count, std::vector<double>& total) {
+          for (int64_t i = 0; i < count; ++i) {
+            acc_t sum = 0;
+            for (int64_t lane = 0; lane < L; ++lane) sum += partial[i * L + lane];
+            total[i] += static_cast<double>(sum);
+          }
+        };
         for (int64_t n = n_begin; n < n_end; ++n) {
+          std::fill(acc.begin(), acc.end(), acc_t(0));
+          std::fill(bias.begin(), bias.end(), acc_t(0));
           for (int64_t c = c_begin; c < c_end; ++c) {
             // The next plane's grad_output and input (the next sample's block at the block's end): they
             // arrive while this one is computed (measured: MobileNetV2's 112x112 stage 15 ms instead of 17-21).
@@ -563,17 +577,14 @@ void depthwise_impl(
                 (c_end - c_begin) * in_plane * static_cast<int64_t>(sizeof(scalar_t)));
           }
 #endif
+          if (gw) fold(acc, (c_end - c_begin) * per_channel, acc_total);
+          if (gb) fold(bias, (c_end - c_begin) * multiplier, bias_total);
         }
-        // Lanes summed in a fixed order.
-        const auto reduce = [&](const std::vector<acc_t>& partial, int64_t count, scalar_t* out) {
-          for (int64_t i = 0; i < count; ++i) {
-            acc_t total = 0;
-            for (int64_t lane = 0; lane < L; ++lane) total += partial[i * L + lane];
-            out[i] = static_cast<scalar_t>(total);
-          }
+        const auto write = [](const std::vector<double>& total, int64_t count, scalar_t* out) {
+          for (int64_t i = 0; i < count; ++i) out[i] = static_cast<scalar_t>(total[i]);
         };
-        if (gw) reduce(acc, (c_end - c_begin) * per_channel, gw + c_begin * per_channel);
-        if (gb) reduce(bias, (c_end - c_begin) * multiplier, gb + c_begin * multiplier);
+        if (gw) write(acc_total, (c_end - c_begin) * per_channel, gw + c_begin * per_channel);
+        if (gb) write(bias_total, (c_end - c_begin) * multiplier, gb + c_begin * multiplier);
       }
     }
     if (stream) store_fence();
