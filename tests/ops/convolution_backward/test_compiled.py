@@ -207,6 +207,16 @@ def assert_matches_original(args: ConvolutionBackwardArgs, ours) -> None:
             )
 
 
+def run_compiled_on_one_thread(args: ConvolutionBackwardArgs):
+    """:func:`run_compiled` with ``torch.set_num_threads(1)``, the thread count restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run_compiled(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def assert_compiled_served(layer_class: str, calls: int = 1) -> None:
     stats = aten_override.stats()
     assert stats.get("compiled", 0) == calls, stats
@@ -289,12 +299,7 @@ def test_cpp_kernel_registered_only_while_enabled():
 def test_deterministic_across_runs_and_thread_counts(name):
     args = make_args(LAYERS[name], GEOMETRIES[0], 2, batch=3)
     first = run_compiled(args)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        single = run_compiled(args)
-    finally:
-        torch.set_num_threads(threads)
+    single = run_compiled_on_one_thread(args)
     again = run_compiled(args)
     for a, b, c in zip(first, single, again):
         assert torch.equal(a, b) and torch.equal(a, c)
@@ -438,12 +443,7 @@ def test_depthwise_large_output(output_mask):
         assert a.stride() == b.stride(), name
         # Sums over 5 * 32 * 32 products (grad_weight): float32 rounding of either kernel.
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3, msg=lambda m: f"{name}: {m}")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        single = run_compiled(args)
-    finally:
-        torch.set_num_threads(threads)
+    single = run_compiled_on_one_thread(args)
     for a, b in zip(ours, single):
         assert (a is None and b is None) or torch.equal(a, b)
 
