@@ -48,12 +48,14 @@ enum class LayerClass : int {
   Kn2row3d,
   Im2col3d,
   Kn2row,
+  DeadTaps,
   Count
 };
 
 struct LayerClassInfo {
   const char* name;
-  const char* kernel;  // "direct" (cpu/direct.cpp), "zeros" or "native" (the original kernel)
+  const char* kernel;  // "direct" (cpu/direct.cpp), "gemm" (cpu/gemm.cpp), "zeros", "native" (the original
+                       // kernel) or "upcast" (the original kernel in float32)
   const char* why;
 };
 
@@ -97,6 +99,12 @@ constexpr LayerClassInfo kLayerClasses[] = {
     {"kn2row", "native",
      "1-D / 2-D, groups == 1, stride 1, taps in one dim only (HiFi-GAN's k7 d3): kn2row measured 1.08-1.14x "
      "native, whose oneDNN path runs at MKL's GEMM rate there (use native)"},
+    {"dead-taps", "upcast",
+     "bfloat16 / float16 on the CPU where native picks oneDNN and a kernel tap only ever meets padding (e.g. "
+     "padding >= the dilated kernel on a short dim): torch 2.13's oneDNN path leaves that tap of grad_weight "
+     "uninitialised (bfloat16: garbage values that change run to run) and segfaults computing grad_input of "
+     "such transposed layers; computed by native in float32 (correct there) and rounded once, into native's "
+     "layout"},
 };
 static_assert(sizeof(kLayerClasses) / sizeof(kLayerClasses[0]) == static_cast<size_t>(LayerClass::Count));
 
@@ -382,7 +390,7 @@ LayerClass gemm_class(const Args& a, const Expanded& e) {
   return kn2row_applies(p) ? LayerClass::Kn2row : LayerClass::Dense;
 }
 
-LayerClass classify(const Args& a, const Expanded& e) {
+LayerClass classify_layer(const Args& a, const Expanded& e) {
   if (a.input.size(0) == 0 || e.c_in == 0) return LayerClass::Empty;
   if (a.transposed) return LayerClass::Transposed;
   if (e.c_out == 0) return LayerClass::NoOutputChannels;
@@ -401,6 +409,39 @@ LayerClass classify(const Args& a, const Expanded& e) {
   }
   if (direct == LayerClass::Dense) return gemm_class(a, e);
   return direct;
+}
+
+// Whether some kernel tap meets no valid position in some spatial dim: regular, tap j of output o
+// reads input o*s - p + j*d; transposed, input i writes output i*s - p + j*d. Such a tap's gradient
+// is exactly zero.
+bool has_dead_tap(const Args& a, const Expanded& e) {
+  for (int64_t i = 0; i < e.dims; ++i) {
+    const int64_t k = a.weight.size(2 + i), s = e.stride[i], p = e.padding[i], d = e.dilation[i];
+    const int64_t strided = a.transposed ? a.input.size(2 + i) : a.grad_output.size(2 + i);
+    const int64_t other = a.transposed ? a.grad_output.size(2 + i) : a.input.size(2 + i);
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t lo = p - j * d;  // the tap is valid at t where lo <= t*s <= other - 1 + lo
+      const int64_t t = lo <= 0 ? 0 : (lo + s - 1) / s;
+      if (t >= strided || t * s > other - 1 + lo) return true;
+    }
+  }
+  return false;
+}
+
+// The class of a call: its layer class, unless native would serve it on a path known to be wrong
+// there (the dead-taps class).
+LayerClass classify(const Args& a, const Expanded& e) {
+  const LayerClass cls = classify_layer(a, e);
+  const bool native = cls == LayerClass::Dense || cls == LayerClass::Transposed || cls == LayerClass::SmallPlanes ||
+      cls == LayerClass::Kn2row || cls == LayerClass::NoOutputChannels;
+  const auto dtype = a.grad_output.scalar_type();
+  if (native && a.grad_output.is_cpu() && (dtype == at::kBFloat16 || dtype == at::kHalf) && has_dead_tap(a, e)) {
+    const auto backend = native_backend(a);
+    if (backend == at::native::ConvBackend::Mkldnn || backend == at::native::ConvBackend::MkldnnTranspose) {
+      return LayerClass::DeadTaps;
+    }
+  }
+  return cls;
 }
 
 // --- kernels ------------------------------------------------------------------------------------
@@ -602,6 +643,27 @@ Result gemm_backward(const Args& a, const Expanded& e, GemmAlgorithm algorithm) 
   return {gi, gw, gb};
 }
 
+// The dead-taps class: native's result computed in float32, rounded once into native's layout for
+// the call's own dtype. Only what the mask asks for is converted (a stride-0 placeholder for the
+// unused tensor stays a placeholder).
+Result float32_backward(const Args& a) {
+  const OutputLayout layout = output_layout(a);
+  const auto f32 = [](const at::Tensor& t, bool needed) {
+    return needed ? t.to(at::kFloat) : at::empty({}, t.options().dtype(at::kFloat)).expand(t.sizes());
+  };
+  const at::Tensor go = a.grad_output.to(at::kFloat);
+  const at::Tensor x = f32(a.input, a.output_mask[1]);
+  const at::Tensor w = f32(a.weight, a.output_mask[0]);
+  const Args f{go, x, w, a.bias_sizes, a.stride, a.padding, a.dilation, a.transposed, a.output_padding, a.groups,
+               a.output_mask};
+  auto [gi32, gw32, gb32] = call_original(f);
+  at::Tensor gi, gw, gb;
+  if (a.output_mask[0]) gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt).copy_(gi32);
+  if (a.output_mask[1]) gw = empty_like_native_weight(a.weight, layout).copy_(gw32);
+  if (a.output_mask[2]) gb = gb32.to(a.grad_output.scalar_type());
+  return {gi, gw, gb};
+}
+
 bool all_finite(const at::Tensor& t) {
   return at::isfinite(t).all().item<bool>();
 }
@@ -637,6 +699,8 @@ Result compiled_backward(const Args& a) {
     case LayerClass::Kn2row3d:
       if (a.grad_output.is_cpu()) return gemm_backward(a, e, GemmAlgorithm::Kn2row);
       break;
+    case LayerClass::DeadTaps:
+      return float32_backward(a);
     case LayerClass::SmallPlanes:
     case LayerClass::Kn2row:
     case LayerClass::Dense:

@@ -6,13 +6,20 @@ transposed, stride / padding / dilation / groups, ``output_padding`` up to
 ``output_mask``, ``bias_sizes`` given or ``None``, an empty batch now and then, float64 / float32 /
 bfloat16 / float16, channels_last or non-contiguous ``input`` / ``weight``, and contiguous,
 channels_last, non-contiguous or expanded (stride-0) ``grad_output``. Calls on which the original
-kernel crashes the process (:func:`.skips.native_crash_reason`) are drawn in float32 instead.
+kernel crashes or returns uninitialised values (:func:`.skips.native_defect_reason`) are drawn in
+float32 instead.
 
 A drawn :class:`ConvolutionBackwardCase` renders itself as a self-contained Python snippet
 (:meth:`ConvolutionBackwardCase.reproduction`) that calls
 ``torch.ops.aten.convolution_backward.default``; the tensors a test uses are built by running that
 very snippet's setup (:meth:`ConvolutionBackwardCase.aten_args`), so the reproduction printed for
 a failing, shrunk example is exactly what failed.
+
+Every run first tries :func:`layout_cases` (hypothesis explicit examples): one call per memory
+format that changes the layout of upstream's outputs (channels_last / channels_last_3d ``input`` or
+``weight``, regular and transposed) and per degenerate ``grad_output`` (expanded, empty batch). Random
+draws hit a channels_last output in only about 1 call in 7, so a layout bug must not depend on the
+seed to be found.
 
 Settings profiles (:func:`fuzz_settings`): ``aten_override-ci`` runs :data:`CI_EXAMPLES` examples,
 derandomized (a CI run is reproducible); with the environment variable :data:`FUZZ_ENV` set to N
@@ -32,7 +39,7 @@ from hypothesis import strategies as st
 
 from ..backends import Backend, Implementation
 from .selection import FUZZ_ENV
-from .skips import native_crash_reason
+from .skips import native_defect_reason
 
 __all__ = [
     "CI_EXAMPLES",
@@ -41,6 +48,7 @@ __all__ = [
     "TensorRecipe",
     "convolution_backward_cases",
     "fuzz_settings",
+    "layout_cases",
 ]
 
 CI_EXAMPLES = 100
@@ -173,6 +181,46 @@ class ConvolutionBackwardCase:
         )
 
 
+def layout_cases(device: str = "cpu") -> list[ConvolutionBackwardCase]:
+    """Fixed calls every fuzz run tries first, whatever the seed (hypothesis explicit examples).
+
+    Upstream returns channels_last (``_3d``) gradients for each of the first three (the input
+    suggests it); the others are the degenerate ``grad_output`` layouts: a stride-0 batch
+    over a non-contiguous input, a stride-0 spatial broadcast, and an empty batch.
+    """
+    def case(grad_output, input, weight, *, stride, padding, dilation, transposed=False, output_padding=None,
+             groups=1, output_mask=(True, True, True), bias_sizes=None, dtype=torch.float32):
+        dims = len(input.shape) - 2
+        return ConvolutionBackwardCase(
+            grad_output=grad_output, input=input, weight=weight, bias_sizes=bias_sizes, stride=stride,
+            padding=padding, dilation=dilation, transposed=transposed,
+            output_padding=output_padding or [0] * dims, groups=groups, output_mask=list(output_mask),
+            dtype=dtype, device=device, seed=0,
+        )
+
+    return [
+        # 2-D, channels_last input, grouped, strided: (2, 4, 5, 5) -> (2, 6, 3, 3)
+        case(TensorRecipe((2, 6, 3, 3)), TensorRecipe((2, 4, 5, 5), "channels_last"), TensorRecipe((6, 2, 3, 3)),
+             stride=[2, 2], padding=[1, 1], dilation=[1, 1], groups=2, bias_sizes=[6]),
+        # 3-D, channels_last_3d input (upstream picks oneDNN here: batch > 1), float32: (2, 4, 6, 6, 6) -> (2, 4, 5, 5, 5)
+        case(TensorRecipe((2, 4, 5, 5, 5)), TensorRecipe((2, 4, 6, 6, 6), "channels_last"), TensorRecipe((4, 4, 2, 2, 2)),
+             stride=[1, 1, 1], padding=[0, 0, 0], dilation=[1, 1, 1], output_mask=(True, True, False)),
+        # 2-D transposed, channels_last input, bfloat16, dilated: (2, 3, 3, 4) -> (2, 2, 5, 6)
+        case(TensorRecipe((2, 2, 5, 6)), TensorRecipe((2, 3, 3, 4), "channels_last"), TensorRecipe((3, 2, 2, 2)),
+             stride=[1, 1], padding=[0, 0], dilation=[2, 2], transposed=True, output_mask=(True, True, True),
+             bias_sizes=[2], dtype=torch.bfloat16),
+        # 1-D, stride-0 batch grad_output, non-contiguous input, dilated depthwise: (3, 3, 7) -> (3, 3, 3)
+        case(TensorRecipe((3, 3, 3), "expanded_batch"), TensorRecipe((3, 3, 7), "noncontiguous"), TensorRecipe((3, 1, 3)),
+             stride=[1], padding=[0], dilation=[2], groups=3, bias_sizes=[3], dtype=torch.float64),
+        # 2-D, stride-0 spatial grad_output, 1x1 strided: (2, 3, 4, 4) -> (2, 2, 2, 2)
+        case(TensorRecipe((2, 2, 2, 2), "expanded_spatial"), TensorRecipe((2, 3, 4, 4)), TensorRecipe((2, 3, 1, 1), "noncontiguous"),
+             stride=[2, 2], padding=[0, 0], dilation=[1, 1], output_mask=(False, True, True)),
+        # 2-D, empty batch: zeros of the right shapes
+        case(TensorRecipe((0, 4, 3, 3)), TensorRecipe((0, 2, 3, 3)), TensorRecipe((4, 2, 3, 3)),
+             stride=[1, 1], padding=[1, 1], dilation=[1, 1], bias_sizes=[4]),
+    ]
+
+
 def _draw_layout(draw, dims: int, allowed: Sequence[str]) -> str:
     layouts = [l for l in allowed if l != "channels_last" or dims in (2, 3)]
     return draw(st.sampled_from(layouts))
@@ -223,11 +271,11 @@ def convolution_backward_cases(draw, device: str = "cpu", dtypes: Sequence[torch
     may_omit_bias = not (batch == 0 and output_mask[2])
     bias_sizes = None if may_omit_bias and draw(st.booleans()) else [c_out]
     dtype = draw(st.sampled_from(list(dtypes)))
-    crash = native_crash_reason(
-        device_type=torch.device(device).type, dtype=dtype, transposed=transposed, spatial_dims=dims,
-        output_mask=output_mask, padding=padding, dilation=dilation,
+    defect = native_defect_reason(
+        device_type=torch.device(device).type, dtype=dtype, transposed=transposed, input_size=spatial_in,
+        grad_output_size=spatial_out, kernel=kernel, stride=stride, padding=padding, dilation=dilation,
     )
-    if crash is not None:  # rare: the reference would kill the process; draw the call in float32
+    if defect is not None:  # rare: the reference would crash or be garbage; draw the call in float32
         dtype = torch.float32
     return ConvolutionBackwardCase(
         grad_output=TensorRecipe((batch, c_out, *spatial_out), _draw_layout(draw, dims, _LAYOUTS)),

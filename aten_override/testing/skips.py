@@ -6,7 +6,9 @@ runner's summary groups skipped tests by these reasons.
 
 from __future__ import annotations
 
-__all__ = ["SKIPS", "native_crash_reason"]
+from ..ops.convolution_backward.args import dead_taps
+
+__all__ = ["SKIPS", "dead_taps", "native_defect_reason"]
 
 SKIPS: dict[str, str] = {
     "channels_last_1d": "channels_last applies to 2-D and 3-D convolutions only",
@@ -16,26 +18,23 @@ SKIPS: dict[str, str] = {
 }
 
 
-def native_crash_reason(*, device_type: str, dtype, transposed: bool, spatial_dims: int, output_mask,
-                        padding, dilation) -> str | None:
-    """Why the original kernel would crash the process on this call, or ``None``.
+def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_size, grad_output_size, kernel,
+                         stride, padding, dilation) -> str | None:
+    """Why the original kernel's result cannot be the reference for this call, or ``None``.
 
-    Found by the fuzzer (torch 2.13.0+cpu, x86): the CPU kernel segfaults computing ``grad_input``
-    of a float16 / bfloat16 3-D transposed convolution with dilation > 1 and padding > 0, e.g.
-    ``input (1, 3, 3, 3, 2) f16, weight (3, 2, 1, 3, 1), stride 2, padding [1, 1, 1],
-    dilation [2, 2, 2], output_mask [True, False, False]``. A crash cannot be compared against, so
-    the fuzzer does not draw these calls.
+    Found on torch 2.13.0+cpu, x86 (tests/ops/convolution_backward/test_native_defects.py): for
+    float16 / bfloat16 on the CPU, where a kernel tap only ever meets padding (:func:`dead_taps`), the
+    oneDNN path leaves that tap of ``grad_weight`` uninitialised (bfloat16) and segfaults computing
+    ``grad_input`` of transposed layers, e.g. ``input (1, 3, 3, 3, 2) f16, weight (3, 2, 1, 3, 1),
+    stride 2, padding [1, 1, 1], dilation [2, 2, 2], output_mask [True, False, False]``. A crash or
+    garbage cannot be compared against, so the fuzzer draws these calls in float32.
     """
     import torch
 
-    if (
-        device_type == "cpu"
-        and dtype in (torch.float16, torch.bfloat16)
-        and transposed
-        and spatial_dims == 3
-        and output_mask[0]
-        and any(d > 1 for d in dilation)
-        and any(p > 0 for p in padding)
-    ):
-        return "the original CPU kernel segfaults on grad_input of reduced-precision 3-D transposed convolutions with dilation > 1 and padding > 0 (torch 2.13)"
+    if device_type != "cpu" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if any(dead_taps(transposed=transposed, input_size=input_size, grad_output_size=grad_output_size, kernel=kernel,
+                     stride=stride, padding=padding, dilation=dilation)):
+        return ("the original CPU kernel leaves grad_weight uninitialised (bfloat16) or segfaults (grad_input, "
+                "transposed) where a kernel tap only meets padding (torch 2.13)")
     return None

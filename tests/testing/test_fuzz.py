@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 
 from aten_override.testing.comparison import call_native
-from aten_override.testing.fuzz import ConvolutionBackwardCase, TensorRecipe, convolution_backward_cases
+from aten_override.testing.fuzz import ConvolutionBackwardCase, TensorRecipe, convolution_backward_cases, layout_cases
 from aten_override.testing.selection import backend_from_spec
 
 
@@ -18,6 +18,33 @@ def test_drawn_cases_are_valid_calls(case):
     for wanted, t, shape in zip(case.output_mask, outputs, (case.input.shape, case.weight.shape, None)):
         if wanted and shape is not None:
             assert tuple(t.shape) == shape
+
+
+def test_layout_cases_are_valid_and_give_channels_last_gradients():
+    # Every fuzz run tries these first: a layout bug must not depend on the seed to be found
+    # (CI once passed a backend returning contiguous gradients: no drawn call had a channels_last output).
+    cases = layout_cases()
+    layouts = set()
+    for case in cases[:3]:  # upstream gives channels_last gradients here: wrong_strides fails each
+        grad_input = call_native(case.aten_args())[0]
+        fmt = torch.channels_last if grad_input.dim() == 4 else torch.channels_last_3d
+        assert grad_input.is_contiguous(memory_format=fmt) and not grad_input.is_contiguous()
+    for case in cases:
+        outputs = call_native(case.aten_args())
+        for wanted, t, shape in zip(case.output_mask, outputs, (case.input.shape, case.weight.shape, None)):
+            if wanted and shape is not None:
+                assert tuple(t.shape) == shape
+            if wanted and t.dim() in (4, 5):
+                fmt = torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+                if t.is_contiguous(memory_format=fmt) and not t.is_contiguous():
+                    layouts.add(f"channels_last {t.dim() - 2}-D")
+        layouts |= {case.grad_output.layout, case.input.layout, case.weight.layout}
+        layouts.add("empty batch" if case.input.shape[0] == 0 else "batch")
+        layouts.add("transposed" if case.transposed else "regular")
+    assert {"channels_last 2-D", "channels_last 3-D", "expanded_batch", "expanded_spatial", "noncontiguous",
+            "empty batch", "transposed", "regular"} <= layouts, layouts
+    assert {case.dtype for case in cases} == {torch.float64, torch.float32, torch.bfloat16}
+    assert len({case.input.shape[2:] and len(case.input.shape) for case in cases}) == 3  # 1-, 2- and 3-D
 
 
 def test_reproduction_rebuilds_the_same_tensors_and_reports_the_difference():

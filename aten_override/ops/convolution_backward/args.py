@@ -32,6 +32,8 @@ __all__ = [
     "output_memory_format",
     "empty_like_native",
     "expected_output_spatial",
+    "dead_taps",
+    "has_dead_tap",
 ]
 
 FLOATING_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -96,6 +98,32 @@ class ConvolutionBackwardArgs:
 def _expand(values: Sequence[int], d: int) -> list[int]:
     values = [int(v) for v in values]
     return values * d if len(values) == 1 else values
+
+
+def dead_taps(*, transposed: bool, input_size, grad_output_size, kernel, stride, padding, dilation) -> list[list[int]]:
+    """Per spatial dim, the kernel taps that never meet a valid position: their gradient is zero.
+
+    Regular: output ``o`` reads input ``o*s - p + j*d`` with tap ``j``; transposed: input ``i``
+    writes output ``i*s - p + j*d``. Sizes are spatial (``input.shape[2:]``,
+    ``grad_output.shape[2:]``, ``weight.shape[2:]``). E.g. ``padding >= dilation * (kernel - 1)`` on a
+    size-1 dim. torch 2.13's oneDNN convolutions are wrong on reduced-precision calls with a dead tap
+    (see the ``dead-taps`` class of the compiled backend). Mirrors ``has_dead_tap`` in
+    csrc/convolution_backward.cpp.
+    """
+    dead = []
+    for size_in, size_out, k, s, p, d in zip(input_size, grad_output_size, kernel, stride, padding, dilation):
+        strided, other = (size_in, size_out) if transposed else (size_out, size_in)
+        dead.append([j for j in range(k) if not any(0 <= t * s - p + j * d < other for t in range(strided))])
+    return dead
+
+
+def has_dead_tap(args: ConvolutionBackwardArgs) -> bool:
+    """Whether :func:`dead_taps` finds any for ``args`` (expanded params)."""
+    a = args.expanded()
+    return any(dead_taps(
+        transposed=a.transposed, input_size=a.input.shape[2:], grad_output_size=a.grad_output.shape[2:],
+        kernel=a.weight.shape[2:], stride=a.stride, padding=a.padding, dilation=a.dilation,
+    ))
 
 
 def expected_output_spatial(args: ConvolutionBackwardArgs) -> list[int]:

@@ -39,6 +39,10 @@ im2col-3d            gemm     other 3-D ``groups == 1`` layers where native pick
                               in chunks bounded by an 8 MiB workspace
 kn2row               native   1-D/2-D ``groups == 1``, stride 1, taps in one dim: kn2row measured no
                               faster than native's oneDNN there
+dead-taps            upcast   bfloat16/float16 where native picks oneDNN and a kernel tap only meets
+                              padding: torch 2.13's oneDNN leaves that tap of grad_weight uninitialised
+                              and segfaults on grad_input of such transposed layers; native in float32,
+                              rounded once (tests/ops/convolution_backward/test_native_defects.py)
 ==================== ======== =================================================================
 
 "native" is a deliberate choice, not a fallback: the call is counted as served by the compiled

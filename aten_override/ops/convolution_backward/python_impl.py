@@ -35,6 +35,7 @@ from .args import (
     ConvolutionBackwardArgs,
     FLOATING_DTYPES,
     check_args,
+    has_dead_tap,
     empty_like_native,
     native_backend,
     output_memory_format,
@@ -78,11 +79,14 @@ def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
     )
 
 
-def _bf16_on_onednn(t: torch.Tensor) -> bool:
+def _bf16_on_onednn(t: torch.Tensor, a: ConvolutionBackwardArgs) -> bool:
     """Whether bfloat16 work on ``t``'s device may run in bfloat16: oneDNN's convolutions and GEMMs
-    accumulate bfloat16 products in float32 and round once, as the native kernel does."""
+    accumulate bfloat16 products in float32 and round once, as the native kernel does. Not where a
+    kernel tap only meets padding (:func:`.args.has_dead_tap`): torch 2.13's oneDNN convolutions
+    segfault or read uninitialised memory there."""
     return (
         t.dtype == torch.bfloat16
+        and not has_dead_tap(a)
         and t.device.type == "cpu"
         and torch.backends.mkldnn.is_available()
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -117,7 +121,7 @@ def grad_input(a: ConvolutionBackwardArgs, go: torch.Tensor, w: torch.Tensor) ->
     else:
         params = (a.stride, a.padding, a.dilation, False, [0] * dims, a.groups)
         backend = int(torch._C._select_conv_backend(go, w, None, *params, None))
-    if not (_bf16_on_onednn(go) and backend in _ONEDNN):
+    if not (backend in _ONEDNN and _bf16_on_onednn(go, a)):
         cdtype = _compute_dtype(go.dtype)
         go, w = go.to(cdtype), w.to(cdtype)
     gi = _conv(go, w, *params)
@@ -297,7 +301,7 @@ def grad_weight(a: ConvolutionBackwardArgs, go: torch.Tensor, x: torch.Tensor) -
         # y = conv_transpose(x, w): the roles of input and grad_output swap; (C_in, C_out/G, *k) falls out.
         go, x = x, go
     return _weight_contraction(
-        x, go, kernel, a.stride, a.padding, a.dilation, a.groups, reduced_gemm=_bf16_on_onednn(go)
+        x, go, kernel, a.stride, a.padding, a.dilation, a.groups, reduced_gemm=_bf16_on_onednn(go, a)
     )
 
 

@@ -464,10 +464,10 @@ def test_layer_class_table_matches_docs():
     names = [row[0] for row in compiled.LAYER_CLASSES]
     assert names == [
         "empty", "depthwise", "grouped", "one-channel", "small-planes", "dense", "transposed", "no-output-channels",
-        "pointwise", "grouped-gemm", "kn2row-3d", "im2col-3d", "kn2row",
+        "pointwise", "grouped-gemm", "kn2row-3d", "im2col-3d", "kn2row", "dead-taps",
     ]
     for name, kernel, _ in compiled.LAYER_CLASSES:
-        assert f"{name} " in compiled.__doc__ and kernel in ("direct", "gemm", "zeros", "native")
+        assert f"{name} " in compiled.__doc__ and kernel in ("direct", "gemm", "zeros", "native", "upcast")
     args = make_args(LAYERS["grouped"], GEOMETRIES[0], 2)
     assert compiled.layer_class(args) == "grouped"
 

@@ -1,0 +1,155 @@
+"""Calls on which torch 2.13's original CPU kernel is wrong, and our backends are not.
+
+bfloat16 / float16 layers where native picks oneDNN and a kernel tap only ever meets padding (a
+"dead tap": e.g. padding >= the dilated kernel on a short dim). The exact gradient of such a tap is
+zero, but upstream's oneDNN path
+- leaves that tap of ``grad_weight`` uninitialised (bfloat16): its values are whatever the allocator
+  held, and change from run to run (found by the fuzzer: a flaky CI run);
+- segfaults computing ``grad_input`` of such transposed layers (float16 1-D and 2-D, bfloat16 3-D).
+
+Found by sweeping 1-D/2-D/3-D, regular/transposed, float32/bfloat16/float16 over small sizes,
+kernels, strides, paddings and dilations (each call in a forked child): every wrong or crashing
+call had a dead tap, float32 none. The compiled backend serves these calls in its ``dead-taps``
+class (native in float32, rounded once); the python backend never calls the original kernel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import aten_override
+from aten_override.testing.skips import dead_taps
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+BACKENDS = [b for b in ("python", "compiled") if aten_override.availability()[b] is None]
+
+# (dims, transposed, input size per dim, kernel, stride, padding, dilation), all bfloat16 on oneDNN
+GARBAGE = {
+    "1d-k3-s2-p1": (1, False, 1, 3, 2, 1, 1),
+    "1d-t-k3-s2-p1": (1, True, 1, 3, 2, 1, 1),
+    "2d-k2-s3-p1": (2, False, 1, 2, 3, 1, 1),
+    "2d-t-k3-s3-p1": (2, True, 1, 3, 3, 1, 1),
+    "3d-k3-s3-p2": (3, False, 2, 3, 3, 2, 1),
+    "3d-t-k3-s2-p1": (3, True, 1, 3, 2, 1, 1),
+}
+# (dtype, dims, transposed, input size, kernel, stride, padding, dilation): the original kernel segfaults
+CRASH = {
+    "f16-1d-t-k1-s2-p1-d2": ("float16", 1, True, 2, 1, 2, 1, 2),
+    "f16-1d-t-k2-s2-p3-d2": ("float16", 1, True, 3, 2, 2, 3, 2),
+    "bf16-3d-t-k3-s2-p3-d2": ("bfloat16", 3, True, 2, 3, 2, 3, 2),
+}
+
+
+def make_call(dtype, dims, transposed, size, kernel, stride, padding, dilation, channels=16):
+    """``(grad_output, input, weight, bias_sizes, stride, ...)`` with every output requested."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, channels, *[size] * dims, generator=g).to(dtype)
+    w = torch.randn(channels, channels, *[kernel] * dims, generator=g).to(dtype)
+    conv = ([stride] * dims, [padding] * dims, [dilation] * dims, transposed, [0] * dims, 1)
+    out = torch.ops.aten.convolution(x.double(), w.double(), None, *conv)
+    go = torch.randn(out.shape, generator=g).to(dtype)
+    return (go, x, w, [channels], *conv, [True, True, True])
+
+
+def reference(args):
+    return torch.ops.aten.convolution_backward.default(
+        *[a.double() if isinstance(a, torch.Tensor) else a for a in args])
+
+
+def scribble_allocator(dtype):
+    # Freed blocks full of large values: an uninitialised read returns them.
+    junk = [torch.full((4096,), 1e4, dtype=dtype) for _ in range(32)]
+    del junk
+
+
+def test_dead_taps_predicate():
+    # regular: output o reads input o*s - p + j*d. L=1, k=3, s=2, p=1: one output, reading -1, 0, 1
+    assert dead_taps(transposed=False, input_size=[1], grad_output_size=[1], kernel=[3], stride=[2], padding=[1],
+                     dilation=[1]) == [[0, 2]]
+    assert dead_taps(transposed=False, input_size=[5, 1], grad_output_size=[5, 1], kernel=[3, 1], stride=[1, 1],
+                     padding=[1, 0], dilation=[1, 1]) == [[], []]
+    # transposed: input i writes output i*s - p + j*d. L=2, k=1, s=2, p=1: writes -1 and 1; output size 1
+    assert dead_taps(transposed=True, input_size=[2], grad_output_size=[1], kernel=[1], stride=[2], padding=[1],
+                     dilation=[2]) == [[0]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(GARBAGE))
+def test_bfloat16_grad_weight_of_dead_taps_is_zero_and_repeatable(name, backend):
+    args = make_call(torch.bfloat16, *GARBAGE[name])
+    go, x, w, _, stride, padding, dilation, transposed, *_ = args
+    dead = dead_taps(transposed=transposed, input_size=list(x.shape[2:]), grad_output_size=list(go.shape[2:]),
+                     kernel=list(w.shape[2:]), stride=stride, padding=padding, dilation=dilation)
+    assert any(dead), "the case must have a dead tap"
+    flat_dead = torch.tensor(_dead_flat(dead, w.shape[2:]))
+    native = aten_override.original_kernel("cpu")(*args)
+    expected = reference(args)
+    results = []
+    aten_override.reset_stats()
+    for _ in range(3):
+        scribble_allocator(torch.bfloat16)
+        with aten_override.enable(backend):
+            results.append(torch.ops.aten.convolution_backward.default(*args))
+    if backend == "compiled":
+        assert aten_override.stats()["compiled_layer_classes"] == {"dead-taps": 3}
+    for ours in results:
+        for i, (a, n, e) in enumerate(zip(ours, native, expected)):
+            assert a.dtype == n.dtype and a.shape == n.shape and a.stride() == n.stride(), i
+            torch.testing.assert_close(a.double(), e, atol=0.05 * e.abs().max().item() + 1e-6, rtol=0.02)
+            assert torch.equal(a, results[0][i])  # repeatable, bit for bit
+        grad_weight = ours[1]
+        # the gradient of a tap that only meets padding is exactly zero
+        taps = grad_weight.reshape(*grad_weight.shape[:2], -1)[..., flat_dead]
+        assert taps.numel() > 0 and taps.eq(0).all()
+
+
+def _dead_flat(dead, kernel):
+    """Flat indices (over the kernel's spatial dims) of the taps dead in at least one dim."""
+    return [i for i, taps in enumerate(itertools.product(*map(range, kernel)))
+            if any(j in dead_in_dim for j, dead_in_dim in zip(taps, dead))]
+
+
+def _run(script: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+
+
+_CRASH_SCRIPT = textwrap.dedent(
+    """
+    import json, torch, aten_override
+    from tests.ops.convolution_backward.test_native_defects import CRASH, make_call, reference
+    dtype, *geometry = CRASH[{name!r}]
+    args = make_call(getattr(torch, dtype), *geometry)
+    backend = {backend!r}
+    if backend == "aten":
+        aten_override.original_kernel("cpu")(*args)
+        print(json.dumps({{"error": 0.0}}))
+    else:
+        with aten_override.enable(backend):
+            ours = torch.ops.aten.convolution_backward.default(*args)
+        expected = reference(args)
+        error = max(((a.double() - e).abs().max() / e.abs().max().clamp_min(1e-12)).item() for a, e in zip(ours, expected))
+        print(json.dumps({{"error": error, "dtype": str(ours[0].dtype)}}))
+    """
+)
+
+
+@pytest.mark.parametrize("name", list(CRASH))
+def test_original_kernel_segfaults_and_our_backends_do_not(name):
+    native = _run(_CRASH_SCRIPT.format(name=name, backend="aten"))
+    if native.returncode == 0:
+        pytest.skip(f"the original kernel no longer crashes on {name} (torch {torch.__version__}): upstream fixed it")
+    assert native.returncode == -11, native.stderr[-2000:]  # SIGSEGV in at::native::convolution_backward
+    for backend in BACKENDS:
+        ours = _run(_CRASH_SCRIPT.format(name=name, backend=backend))
+        assert ours.returncode == 0, (backend, ours.stderr[-2000:])
+        result = json.loads(ours.stdout.strip().splitlines()[-1])
+        assert result["error"] < 0.02 and result["dtype"] == f"torch.{CRASH[name][0]}", (backend, result)
