@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import aten_override
+from aten_override.ops.convolution_backward import python_impl
 from aten_override.testing.skips import dead_taps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -57,6 +58,11 @@ def make_call(dtype, dims, transposed, size, kernel, stride, padding, dilation, 
     out = torch.ops.aten.convolution(x.double(), w.double(), None, *conv)
     go = torch.randn(out.shape, generator=g).to(dtype)
     return (go, x, w, [channels], *conv, [True, True, True])
+
+
+def native_picks_onednn(args) -> bool:
+    go, x, w, _, *conv, _ = args
+    return int(torch._C._select_conv_backend(x, w, None, *conv, None)) in python_impl._ONEDNN
 
 
 def reference(args):
@@ -98,7 +104,7 @@ def test_bfloat16_grad_weight_of_dead_taps_is_zero_and_repeatable(name, backend)
         scribble_allocator(torch.bfloat16)
         with aten_override.enable(backend):
             results.append(torch.ops.aten.convolution_backward.default(*args))
-    if backend == "compiled":
+    if backend == "compiled" and native_picks_onednn(args):  # elsewhere native is right and serves them
         assert aten_override.stats()["compiled_layer_classes"] == {"dead-taps": 3}
     for ours in results:
         for i, (a, n, e) in enumerate(zip(ours, native, expected)):
