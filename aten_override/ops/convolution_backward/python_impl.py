@@ -165,7 +165,10 @@ def _weight_contraction(
     kk = math.prod(kernel)
     if kk == 1 and set(stride) == {1} and not any(padding) and go.dtype == cdtype:
         # Pointwise: one GEMM per sample on grad_output and input as they are (views in either
-        # memory format), accumulated over the batch.
+        # memory format), accumulated over the batch. x may be longer than go: a transposed
+        # convolution's output_padding rows (x here) meet no input; cut them.
+        for dim, size in enumerate(go.shape[2:], start=2):
+            x = x.narrow(dim, 0, size)
         out = torch.zeros(groups, o, c, dtype=cdtype, device=go.device)
         for i in range(n):
             out.baddbmm_(go[i].reshape(groups, o, -1), x[i].reshape(groups, c, -1).transpose(1, 2))

@@ -108,3 +108,34 @@ def test_grad_input_as_forward_convolution(one_thread, layer, dtype):
     for mask in ([True, False, False], [True, True, True]):
         args = (go, x, w, [layer["c_out"]], [1] * dims, padding, [1] * dims, False, [0] * dims, groups, mask)
         assert_matches_original(run_backend("python", *args), args)
+
+
+# Transposed layers with output_padding: the output has rows no input reaches, so in grad_weight
+# (input and grad_output swap roles) the "input" is longer than the kernel's reach. Every
+# grad_weight formulation must cut them (the pointwise GEMMs did not: found by the fuzzer,
+# a 1-D kernel-1 layer with dilation 2 and output_padding 1).
+OUTPUT_PADDING_LAYERS = {
+    "pointwise": dict(c_in=4, c_out=6, groups=1, kernel=1, stride=1, dilation=2, output_padding=1),
+    "pointwise,grouped": dict(c_in=4, c_out=6, groups=2, kernel=1, stride=1, dilation=3, output_padding=2),
+    "depthwise": dict(c_in=3, c_out=3, groups=3, kernel=3, stride=2, dilation=3, output_padding=2),
+    "im2col": dict(c_in=1, c_out=4, groups=1, kernel=3, stride=2, dilation=1, output_padding=1),
+    "shifted-window": dict(c_in=4, c_out=6, groups=2, kernel=3, stride=1, dilation=2, output_padding=1),
+}
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3], ids=lambda d: f"dims={d}")
+@pytest.mark.parametrize("layer", OUTPUT_PADDING_LAYERS.values(), ids=OUTPUT_PADDING_LAYERS.keys())
+@pytest.mark.parametrize("backend", ["python", "compiled"])
+def test_transposed_output_padding_rows_are_cut(backend, layer, dims):
+    if aten_override.availability()[backend] is not None:
+        pytest.skip(str(aten_override.availability()[backend]))
+    g = torch.Generator().manual_seed(0)
+    size, k = 4, layer["kernel"]
+    x = torch.randn(2, layer["c_in"], *[size] * dims, generator=g, dtype=torch.float64)
+    w = torch.randn(layer["c_in"], layer["c_out"] // layer["groups"], *[k] * dims, generator=g, dtype=torch.float64)
+    conv = ([layer["stride"]] * dims, [0] * dims, [layer["dilation"]] * dims, True, [layer["output_padding"]] * dims,
+            layer["groups"])
+    out = torch.ops.aten.convolution(x, w, None, *conv)
+    go = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    args = (go, x, w, [layer["c_out"]], *conv, [True, True, True])
+    assert_matches_original(run_backend(backend, *args), args)
