@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import textwrap
 
 import torch
 
@@ -10,7 +11,10 @@ HELP = "print versions, which backend serves which dispatch key (and why not), a
 
 
 def add_arguments(parser) -> None:
-    pass
+    parser.add_argument(
+        "--layer-classes", action="store_true",
+        help="also print the compiled backend's layer classes: which kernel serves which layers, and why",
+    )
 
 
 def main(args) -> int:
@@ -40,4 +44,22 @@ def main(args) -> int:
     # What upstream's backend choice depends on; read again at every backward call.
     print("flags: " + "  ".join(f"{k}={v}" for k, v in current_flags().items()))
     print("trace a program: python -m aten_override run --trace trace.json [--verify] script.py ARGS...")
+    if getattr(args, "layer_classes", False):
+        _print_layer_classes(compiled.LAYER_CLASSES)
     return 0
+
+
+def _print_layer_classes(classes) -> None:
+    """The compiled backend's layer-class table (``compiled.LAYER_CLASSES``), ``why`` wrapped."""
+    if not classes:
+        print("compiled layer classes: the extension is not built")
+        return
+    width = max(len(name) for name, _, _ in classes)
+    kernel_width = max(len(kernel) for _, kernel, _ in classes)
+    print(f"compiled layer classes:\n{'class':<{width}}  {'kernel':<{kernel_width}}  why")
+    indent = " " * (width + kernel_width + 4)
+    for name, kernel, why in classes:
+        lines = textwrap.wrap(why, width=max(40, 100 - len(indent)))
+        print(f"{name:<{width}}  {kernel:<{kernel_width}}  {lines[0]}")
+        for line in lines[1:]:
+            print(indent + line)

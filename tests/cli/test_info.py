@@ -25,3 +25,16 @@ def test_info_prints_the_table_and_the_cuda_kernels_state(capsys):
 def test_info_cpu_torch_says_not_built(capsys):
     info.main(None)
     assert "compiled CUDA kernels (depthwise class): not built" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(aten_override.availability()["compiled"] is not None, reason="the compiled backend is not built")
+def test_info_layer_classes(capsys):
+    from aten_override.__main__ import main
+
+    assert main(["info", "--layer-classes"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("compiled layer classes:"):].splitlines()[2:]
+    starts = [line.split()[:2] for line in table if not line.startswith(" ")]
+    assert starts == [[name, kernel] for name, kernel, _ in compiled.LAYER_CLASSES]
+    assert "dead-taps" in out and "uninitialised" in out
+    assert main(["info"]) == 0 and "compiled layer classes" not in capsys.readouterr().out
