@@ -7,7 +7,6 @@ every rank must report that our backend served its convolution backward calls.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,22 +22,22 @@ WORLD = 2
 CONV_LAYERS, STEPS = 3, 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out: Path, argv_prefix: list[str], extra: list[str] = ()) -> list[dict]:
     """Start WORLD ranks of ``python *argv_prefix ddp_train.py --out out *extra``; return their
-    saved results. Fails with every rank's output if any rank fails."""
+    saved results. Fails with every rank's output if any rank fails.
+
+    The rendezvous store is this process's, as torchrun's agent hosts it
+    (``TORCHELASTIC_USE_AGENT_STORE``: every rank connects as a client): it listens on a port the
+    OS picked when it bound it. (A port probed free and closed again can be taken by any process
+    before rank 0 binds it, seconds later: rank 0 then fails with "address already in use".)"""
     out.mkdir()
-    port = str(_free_port())
+    store = torch.distributed.TCPStore("127.0.0.1", 0, world_size=WORLD, is_master=True, wait_for_workers=False)
+    rendezvous = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
     procs = [
         subprocess.Popen(
             [sys.executable, *argv_prefix, str(SCRIPT), "--out", str(out), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=subprocess_env(RANK=str(r), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+            env=subprocess_env(RANK=str(r), WORLD_SIZE=str(WORLD), **rendezvous),
         )
         for r in range(WORLD)
     ]

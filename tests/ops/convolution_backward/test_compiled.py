@@ -533,6 +533,21 @@ def native_backend(args: ConvolutionBackwardArgs) -> str:
     return backend.name
 
 
+@pytest.fixture
+def native_multithreaded():
+    """At least two intra-op threads for the block, the thread count restored after. Native picks
+    oneDNN for an unstrided 1x1 float32 layer with a batch under 16 only when more than one thread
+    runs (upstream's ``ConvParams::use_mkldnn``: THNN is faster single-threaded); with one
+    (``OMP_NUM_THREADS=1``, a one-CPU runner) it picks Slow2d and the pointwise cases below would
+    test the dense class instead."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _gemm_cases():
     cases = []
     for name, case in GEMM_CASES.items():
@@ -550,6 +565,7 @@ def _gemm_cases():
     return cases
 
 
+@pytest.mark.usefixtures("native_multithreaded")
 @pytest.mark.parametrize("name,dtype,memory_format,output_mask", _gemm_cases())
 def test_gemm_class_matches_original(name, dtype, memory_format, output_mask):
     """Each GEMM class serves the layers it claims, with the original kernel's values (within twice its
@@ -568,6 +584,7 @@ def test_gemm_class_matches_original(name, dtype, memory_format, output_mask):
     assert_matches_original(args, ours)
 
 
+@pytest.mark.usefixtures("native_multithreaded")
 @pytest.mark.parametrize("name", ["pointwise,views", "grouped-gemm", "kn2row-3d", "im2col-3d"])
 def test_gemm_expanded_grad_output_and_deterministic(name):
     """A stride-0 (expanded) grad_output and transposed-stride input give native's values; two runs
