@@ -103,8 +103,9 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "bfloat16 / float16 on the CPU where native picks oneDNN and a kernel tap only ever meets padding (e.g. "
      "padding >= the dilated kernel on a short dim): torch 2.13's oneDNN path leaves that tap of grad_weight "
      "uninitialised (bfloat16: garbage values that change run to run) and segfaults computing grad_input of "
-     "such transposed layers; computed by native in float32 (correct there) and rounded once, into native's "
-     "layout"},
+     "such transposed layers; also transposed layers whose input has width 1 under a wider kernel (e.g. "
+     "(N, C, 8, 1), kernel 3x3, stride 2: most of grad_input unwritten, no dead tap). Computed by native in "
+     "float32 (correct there) and rounded once, into native's layout"},
 };
 static_assert(sizeof(kLayerClasses) / sizeof(kLayerClasses[0]) == static_cast<size_t>(LayerClass::Count));
 
@@ -428,6 +429,23 @@ bool has_dead_tap(const Args& a, const Expanded& e) {
   return false;
 }
 
+// Whether a transposed layer's input has width 1 (its last spatial dim) under a kernel more than one
+// tap wide there, and more than one spatial position in all: on x86 with AMX, 2.13's oneDNN bfloat16
+// path leaves most of grad_input unwritten there, with no dead tap. Mirrors args.width_one_transposed.
+bool width_one_transposed(const Args& a) {
+  const int64_t last = a.input.dim() - 1;
+  if (!a.transposed || last < 2) return false;
+  int64_t positions = 1;
+  for (int64_t i = 2; i <= last; ++i) positions *= a.input.size(i);
+  return a.input.size(last) == 1 && a.weight.size(last) > 1 && positions > 1;
+}
+
+// Whether 2.13's oneDNN convolutions are known wrong on this call in bfloat16 / float16. Mirrors
+// args.onednn_defect.
+bool onednn_defect(const Args& a, const Expanded& e) {
+  return has_dead_tap(a, e) || width_one_transposed(a);
+}
+
 // The class of a call: its layer class, unless native would serve it on a path known to be wrong
 // there (the dead-taps class).
 LayerClass classify(const Args& a, const Expanded& e) {
@@ -435,7 +453,7 @@ LayerClass classify(const Args& a, const Expanded& e) {
   const bool native = cls == LayerClass::Dense || cls == LayerClass::Transposed || cls == LayerClass::SmallPlanes ||
       cls == LayerClass::Kn2row || cls == LayerClass::NoOutputChannels;
   const auto dtype = a.grad_output.scalar_type();
-  if (native && a.grad_output.is_cpu() && (dtype == at::kBFloat16 || dtype == at::kHalf) && has_dead_tap(a, e)) {
+  if (native && a.grad_output.is_cpu() && (dtype == at::kBFloat16 || dtype == at::kHalf) && onednn_defect(a, e)) {
     const auto backend = native_backend(a);
     if (backend == at::native::ConvBackend::Mkldnn || backend == at::native::ConvBackend::MkldnnTranspose) {
       return LayerClass::DeadTaps;

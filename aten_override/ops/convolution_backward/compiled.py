@@ -41,8 +41,10 @@ kn2row               native   1-D/2-D ``groups == 1``, stride 1, taps in one dim
                               faster than native's oneDNN there
 dead-taps            upcast   bfloat16/float16 where native picks oneDNN and a kernel tap only meets
                               padding: torch 2.13's oneDNN leaves that tap of grad_weight uninitialised
-                              and segfaults on grad_input of such transposed layers; native in float32,
-                              rounded once (tests/ops/convolution_backward/test_native_defects.py)
+                              and segfaults on grad_input of such transposed layers; also transposed
+                              layers of input width 1 under a wider kernel (most of grad_input left
+                              unwritten); native in float32, rounded once
+                              (tests/ops/convolution_backward/test_native_defects.py)
 ==================== ======== =================================================================
 
 "native" is a deliberate choice, not a fallback: the call is counted as served by the compiled

@@ -7,6 +7,10 @@ zero, but upstream's oneDNN path
   held, and change from run to run (found by the fuzzer: a flaky CI run);
 - segfaults computing ``grad_input`` of such transposed layers (float16 1-D and 2-D, bfloat16 3-D).
 
+And bfloat16 transposed layers whose input has width 1 (the last spatial dim) under a kernel wider
+than that, with more than one spatial position (``args.width_one_transposed``; no dead tap): on x86
+with AMX the oneDNN path leaves most of ``grad_input`` unwritten (scripts/sweep_native_defects.py).
+
 Found by sweeping 1-D/2-D/3-D, regular/transposed, float32/bfloat16/float16 over small sizes,
 kernels, strides, paddings and dilations (each call in a forked child): every wrong or crashing
 call had a dead tap, float32 none. The compiled backend serves these calls in its ``dead-taps``
@@ -27,7 +31,7 @@ import torch
 
 import aten_override
 from aten_override.ops.convolution_backward import python_impl
-from aten_override.testing.skips import dead_taps
+from aten_override.testing.skips import dead_taps, width_one_transposed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BACKENDS = [b for b in ("python", "compiled") if aten_override.availability()[b] is None]
@@ -50,11 +54,14 @@ CRASH = {
 
 
 def make_call(dtype, dims, transposed, size, kernel, stride, padding, dilation, channels=16):
-    """``(grad_output, input, weight, bias_sizes, stride, ...)`` with every output requested."""
+    """``(grad_output, input, weight, bias_sizes, stride, ...)`` with every output requested.
+    ``size`` ... ``dilation``: one int for every spatial dim, or a tuple of ``dims``."""
+    size, kernel, stride, padding, dilation = (
+        [v] * dims if isinstance(v, int) else list(v) for v in (size, kernel, stride, padding, dilation))
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, channels, *[size] * dims, generator=g).to(dtype)
-    w = torch.randn(channels, channels, *[kernel] * dims, generator=g).to(dtype)
-    conv = ([stride] * dims, [padding] * dims, [dilation] * dims, transposed, [0] * dims, 1)
+    x = torch.randn(2, channels, *size, generator=g).to(dtype)
+    w = torch.randn(channels, channels, *kernel, generator=g).to(dtype)
+    conv = (stride, padding, dilation, transposed, [0] * dims, 1)
     out = torch.ops.aten.convolution(x.double(), w.double(), None, *conv)
     go = torch.randn(out.shape, generator=g).to(dtype)
     return (go, x, w, [channels], *conv, [True, True, True])
@@ -96,14 +103,27 @@ def test_bfloat16_grad_weight_of_dead_taps_is_zero_and_repeatable(name, backend)
                      kernel=list(w.shape[2:]), stride=stride, padding=padding, dilation=dilation)
     assert any(dead), "the case must have a dead tap"
     flat_dead = torch.tensor(_dead_flat(dead, w.shape[2:]))
+    results = _check_repeatable_and_right(args, backend)
+    for ours in results:
+        grad_weight = ours[1]
+        # the gradient of a tap that only meets padding is exactly zero
+        taps = grad_weight.reshape(*grad_weight.shape[:2], -1)[..., flat_dead]
+        assert taps.numel() > 0 and taps.eq(0).all()
+
+
+def _check_repeatable_and_right(args, backend):
+    """Three runs of ``backend`` on ``args`` (allocator scribbled before each): native's dtypes,
+    shapes and strides, close to float64, equal bit for bit, and served in the dead-taps class
+    where native picks oneDNN. Returns the three results."""
     native = aten_override.original_kernel("cpu")(*args)
     expected = reference(args)
     results = []
     aten_override.reset_stats()
     for _ in range(3):
-        scribble_allocator(torch.bfloat16)
+        scribble_allocator(args[0].dtype)
         with aten_override.enable(backend):
             results.append(torch.ops.aten.convolution_backward.default(*args))
+    assert aten_override.stats()[backend] == 3
     if backend == "compiled" and native_picks_onednn(args):  # elsewhere native is right and serves them
         assert aten_override.stats()["compiled_layer_classes"] == {"dead-taps": 3}
     for ours in results:
@@ -111,10 +131,36 @@ def test_bfloat16_grad_weight_of_dead_taps_is_zero_and_repeatable(name, backend)
             assert a.dtype == n.dtype and a.shape == n.shape and a.stride() == n.stride(), i
             torch.testing.assert_close(a.double(), e, atol=0.05 * e.abs().max().item() + 1e-6, rtol=0.02)
             assert torch.equal(a, results[0][i])  # repeatable, bit for bit
-        grad_weight = ours[1]
-        # the gradient of a tap that only meets padding is exactly zero
-        taps = grad_weight.reshape(*grad_weight.shape[:2], -1)[..., flat_dead]
-        assert taps.numel() > 0 and taps.eq(0).all()
+    return results
+
+
+# (dims, input size, kernel, stride, padding), bfloat16 transposed on oneDNN, no dead tap
+WIDTH_ONE = {
+    "2d-t-8x1-k3-s2": (2, (8, 1), 3, 2, 0),
+    "2d-t-32x1-k1x3-s1x2": (2, (32, 1), (1, 3), (1, 2), 0),
+    "3d-t-8x8x1-k3-s2-p1x1x0": (3, (8, 8, 1), 3, 2, (1, 1, 0)),
+}
+
+
+def test_width_one_transposed_predicate():
+    assert width_one_transposed(transposed=True, input_size=[8, 1], kernel=[3, 3])
+    assert width_one_transposed(transposed=True, input_size=[5, 5, 1], kernel=[1, 1, 3])
+    assert not width_one_transposed(transposed=False, input_size=[8, 1], kernel=[3, 3])
+    assert not width_one_transposed(transposed=True, input_size=[8, 1], kernel=[3, 1])  # one tap wide
+    assert not width_one_transposed(transposed=True, input_size=[1, 8], kernel=[3, 3])  # height 1 is right
+    assert not width_one_transposed(transposed=True, input_size=[1, 1], kernel=[4, 4])  # DCGAN's first layer
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(WIDTH_ONE))
+def test_bfloat16_grad_input_of_transposed_width_one_is_repeatable(name, backend):
+    dims, size, kernel, stride, padding = WIDTH_ONE[name]
+    args = make_call(torch.bfloat16, dims, True, size, kernel, stride, padding, 1)
+    go, x, w, _, stride, padding, dilation, *_ = args
+    assert not any(dead_taps(transposed=True, input_size=list(x.shape[2:]), grad_output_size=list(go.shape[2:]),
+                             kernel=list(w.shape[2:]), stride=stride, padding=padding, dilation=dilation))
+    assert width_one_transposed(transposed=True, input_size=list(x.shape[2:]), kernel=list(w.shape[2:]))
+    _check_repeatable_and_right(args, backend)
 
 
 def _dead_flat(dead, kernel):
