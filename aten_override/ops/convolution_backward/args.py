@@ -145,18 +145,18 @@ def width_one_transposed(*, transposed: bool, input_size, kernel) -> bool:
 
 def depth_without_full_row(*, transposed: bool, input_size, grad_output_size, kernel, stride, padding,
                            dilation) -> bool:
-    """Whether a 3-D transposed layer has no input position in its depth dim (the first spatial
-    dim) whose kernel taps all land inside the output: input ``i`` writes output ``i*s - p + j*d``.
-    Sizes are spatial. Covers every call found (scripts/sweep_native_defects.py) where torch 2.13's
-    oneDNN float32 path computes a wrong ``grad_weight`` or corrupts the heap (SIGABRT), e.g.
-    ``input (3, 8, 3, 1, 1)``, ``kernel (4, 1, 1)``, stride 2, padding (3, 0, 0); it is wider than
-    that set (many such layers are right). Mirrors ``depth_without_full_row`` in
-    csrc/convolution_backward.cpp.
+    """Whether a 3-D transposed layer has padding > stride in its depth dim (the first spatial dim)
+    and no input position there whose kernel taps all land inside the output: input ``i`` writes
+    output ``i*s - p + j*d``. Sizes are spatial. Covers every call found
+    (scripts/sweep_native_defects.py) where torch 2.13's oneDNN float32 path computes a wrong
+    ``grad_weight`` or corrupts the heap (SIGSEGV / SIGABRT), e.g. ``input (2, 16, 3, 1, 1)``,
+    ``kernel (4, 1, 1)``, stride 2, padding (3, 0, 0); it is wider than that set (most such layers
+    are right). Mirrors ``depth_without_full_row`` in csrc/convolution_backward.cpp.
     """
     if not transposed or len(input_size) != 3:
         return False
     size_in, size_out, k, s, p, d = (v[0] for v in (input_size, grad_output_size, kernel, stride, padding, dilation))
-    return not any(i * s - p >= 0 and i * s - p + (k - 1) * d < size_out for i in range(size_in))
+    return p > s and not any(i * s - p >= 0 and i * s - p + (k - 1) * d < size_out for i in range(size_in))
 
 
 def onednn_defect(args: ConvolutionBackwardArgs) -> bool:
