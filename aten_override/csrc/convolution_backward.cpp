@@ -106,8 +106,9 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "such transposed layers; also transposed layers whose input has width 1 under a wider kernel (e.g. "
      "(N, C, 8, 1), kernel 3x3, stride 2: most of grad_input unwritten, no dead tap). Computed by native in "
      "float32 (correct there) and rounded once, into native's layout. Also 3-D transposed layers on oneDNN, any "
-     "dtype but float64, where no input position in depth meets the whole kernel: oneDNN's float32 grad_weight "
-     "was wrong or corrupted the heap on some; computed by native in float64 (no oneDNN there)"},
+     "dtype but float64, with padding > stride in depth and no input position there meeting the whole kernel: "
+     "oneDNN's float32 grad_weight was wrong or corrupted the heap on some; computed by native in float64 (no "
+     "oneDNN there)"},
 };
 static_assert(sizeof(kLayerClasses) / sizeof(kLayerClasses[0]) == static_cast<size_t>(LayerClass::Count));
 
@@ -442,13 +443,15 @@ bool width_one_transposed(const Args& a) {
   return a.input.size(last) == 1 && a.weight.size(last) > 1 && positions > 1;
 }
 
-// Whether a 3-D transposed layer has no input position in its depth dim whose kernel taps all land
-// inside the output (input i writes output i*s - p + j*d): where 2.13's oneDNN float32 path has
-// computed a wrong grad_weight or corrupted the heap. Mirrors args.depth_without_full_row.
+// Whether a 3-D transposed layer has padding > stride in its depth dim and no input position there
+// whose kernel taps all land inside the output (input i writes output i*s - p + j*d): where 2.13's
+// oneDNN float32 path has computed a wrong grad_weight or corrupted the heap. Mirrors
+// args.depth_without_full_row.
 bool depth_without_full_row(const Args& a, const Expanded& e) {
   if (!a.transposed || e.dims != 3) return false;
   const int64_t size_in = a.input.size(2), size_out = a.grad_output.size(2), k = a.weight.size(2);
   const int64_t s = e.stride[0], p = e.padding[0], d = e.dilation[0];
+  if (p <= s) return false;
   for (int64_t i = 0; i < size_in; ++i) {
     if (i * s - p >= 0 && i * s - p + (k - 1) * d < size_out) return false;
   }

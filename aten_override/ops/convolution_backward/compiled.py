@@ -43,7 +43,11 @@ dead-taps            upcast   bfloat16/float16 where native picks oneDNN and a k
                               padding: torch 2.13's oneDNN leaves that tap of grad_weight uninitialised
                               and segfaults on grad_input of such transposed layers; also transposed
                               layers of input width 1 under a wider kernel (most of grad_input left
-                              unwritten); native in float32, rounded once
+                              unwritten); native in float32, rounded once. Also 3-D transposed
+                              layers (any dtype but float64) with padding > stride in depth and no
+                              input position there that meets the whole kernel: oneDNN's float32
+                              grad_weight is wrong or
+                              corrupts the heap on some; native in float64
                               (tests/ops/convolution_backward/test_native_defects.py)
 ==================== ======== =================================================================
 

@@ -51,9 +51,6 @@ CRASH = {
     "f16-1d-t-k1-s2-p1-d2": ("float16", 1, True, 2, 1, 2, 1, 2),
     "f16-1d-t-k2-s2-p3-d2": ("float16", 1, True, 3, 2, 2, 3, 2),
     "bf16-3d-t-k3-s2-p3-d2": ("bfloat16", 3, True, 2, 3, 2, 3, 2),
-    # float32 too: 3-D transposed, no input position in depth meets the whole kernel (heap corruption)
-    "f32-3d-t-3x1x1-k4x1x1-s2-p3x0x0": ("float32", 3, True, (3, 1, 1), (4, 1, 1), (2, 1, 1), (3, 0, 0), 1),
-    "f32-3d-t-3x1x1-k5x1x1-s3-p4x0x0": ("float32", 3, True, (3, 1, 1), (5, 1, 1), (3, 1, 1), (4, 0, 0), 1),
 }
 
 
@@ -115,12 +112,13 @@ def test_bfloat16_grad_weight_of_dead_taps_is_zero_and_repeatable(name, backend)
         assert taps.numel() > 0 and taps.eq(0).all()
 
 
-def _check_repeatable_and_right(args, backend):
+def _check_repeatable_and_right(args, backend, native_layout=True):
     """Three runs of ``backend`` on ``args`` (allocator scribbled before each): native's dtypes,
-    shapes and strides, close to float64, equal bit for bit, and served in the dead-taps class
-    where native picks oneDNN. Returns the three results."""
-    native = aten_override.original_kernel("cpu")(*args)
+    shapes and strides (``native_layout=False``: those of the float64 reference, for calls where
+    native corrupts the heap), close to float64, equal bit for bit, and served in the dead-taps
+    class where native picks oneDNN. Returns the three results."""
     expected = reference(args)
+    native = aten_override.original_kernel("cpu")(*args) if native_layout else expected
     results = []
     aten_override.reset_stats()
     for _ in range(3):
@@ -132,7 +130,7 @@ def _check_repeatable_and_right(args, backend):
         assert aten_override.stats()["compiled_layer_classes"] == {"dead-taps": 3}
     for ours in results:
         for i, (a, n, e) in enumerate(zip(ours, native, expected)):
-            assert a.dtype == n.dtype and a.shape == n.shape and a.stride() == n.stride(), i
+            assert a.dtype == args[0].dtype and a.shape == n.shape and a.stride() == n.stride(), i
             torch.testing.assert_close(a.double(), e, atol=0.05 * e.abs().max().item() + 1e-6, rtol=0.02)
             assert torch.equal(a, results[0][i])  # repeatable, bit for bit
     return results
@@ -167,7 +165,9 @@ def test_bfloat16_grad_input_of_transposed_width_one_is_repeatable(name, backend
     _check_repeatable_and_right(args, backend)
 
 
-# (input size, kernel, stride, padding), float32 3-D transposed on oneDNN, no dead tap: grad_weight wrong
+# (input size, kernel, stride, padding), float32 3-D transposed on oneDNN, no dead tap: native's
+# grad_weight is wrong, and on similar layers (input (2, 16, 3, 1, 1), kernel (4, 1, 1)) it corrupts the
+# heap (SIGSEGV, SIGABRT: a varying failure, so no crash case runs native)
 DEPTH = {
     "f32-3d-t-4x1x1-k4x1x1-s2-p3x0x0": ((4, 1, 1), (4, 1, 1), (2, 1, 1), (3, 0, 0)),
     "f32-3d-t-4x2x2-k5x1x1-s2-p3x0x0": ((4, 2, 2), (5, 1, 1), (2, 1, 1), (3, 0, 0)),
@@ -183,6 +183,9 @@ def test_depth_without_full_row_predicate():
                                       kernel=[4, 1, 1], stride=[2, 1, 1], padding=[3, 0, 0], dilation=[1, 1, 1])
     assert not depth_without_full_row(transposed=True, input_size=[4, 4], grad_output_size=[4, 4], kernel=[4, 4],
                                       stride=[2, 2], padding=[3, 3], dilation=[1, 1])  # 2-D: right
+    # padding <= stride: right (a 3-D decoder's kernel 4, stride 2, padding 1 on depth 2: i=1 writes 1..4)
+    assert not depth_without_full_row(transposed=True, input_size=[2, 8, 8], grad_output_size=[4, 16, 16],
+                                      kernel=[4, 4, 4], stride=[2, 2, 2], padding=[1, 1, 1], dilation=[1, 1, 1])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -193,7 +196,7 @@ def test_float32_grad_weight_of_transposed_depth_without_full_row_is_right(name,
     sizes = dict(transposed=True, input_size=list(x.shape[2:]), grad_output_size=list(go.shape[2:]),
                  kernel=list(w.shape[2:]), stride=stride, padding=padding, dilation=dilation)
     assert not any(dead_taps(**sizes)) and depth_without_full_row(**sizes)
-    _check_repeatable_and_right(args, backend)
+    _check_repeatable_and_right(args, backend, native_layout=False)  # contiguous: native's layout too
 
 
 def _dead_flat(dead, kernel):
@@ -232,8 +235,7 @@ def test_original_kernel_segfaults_and_our_backends_do_not(name):
     native = _run(_CRASH_SCRIPT.format(name=name, backend="aten"))
     if native.returncode == 0:
         pytest.skip(f"the original kernel no longer crashes on {name} (torch {torch.__version__}): upstream fixed it")
-    # SIGSEGV in at::native::convolution_backward, or SIGABRT where glibc finds the heap corrupted
-    assert native.returncode in (-11, -6), native.stderr[-2000:]
+    assert native.returncode == -11, native.stderr[-2000:]  # SIGSEGV in at::native::convolution_backward
     for backend in BACKENDS:
         ours = _run(_CRASH_SCRIPT.format(name=name, backend=backend))
         assert ours.returncode == 0, (backend, ours.stderr[-2000:])
