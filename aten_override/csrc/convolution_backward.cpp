@@ -103,8 +103,12 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "bfloat16 / float16 on the CPU where native picks oneDNN and a kernel tap only ever meets padding (e.g. "
      "padding >= the dilated kernel on a short dim): torch 2.13's oneDNN path leaves that tap of grad_weight "
      "uninitialised (bfloat16: garbage values that change run to run) and segfaults computing grad_input of "
-     "such transposed layers; computed by native in float32 (correct there) and rounded once, into native's "
-     "layout"},
+     "such transposed layers; also transposed layers whose input has width 1 under a wider kernel (e.g. "
+     "(N, C, 8, 1), kernel 3x3, stride 2: most of grad_input unwritten, no dead tap). Computed by native in "
+     "float32 (correct there) and rounded once, into native's layout. Also 3-D transposed layers on oneDNN, any "
+     "dtype but float64, with padding > stride in depth and no input position there meeting the whole kernel: "
+     "oneDNN's float32 grad_weight was wrong or corrupted the heap on some; computed by native in float64 (no "
+     "oneDNN there)"},
 };
 static_assert(sizeof(kLayerClasses) / sizeof(kLayerClasses[0]) == static_cast<size_t>(LayerClass::Count));
 
@@ -428,6 +432,38 @@ bool has_dead_tap(const Args& a, const Expanded& e) {
   return false;
 }
 
+// Whether a transposed layer's input has width 1 (its last spatial dim) under a kernel more than one
+// tap wide there, and more than one spatial position in all: on x86 with AMX, 2.13's oneDNN bfloat16
+// path leaves most of grad_input unwritten there, with no dead tap. Mirrors args.width_one_transposed.
+bool width_one_transposed(const Args& a) {
+  const int64_t last = a.input.dim() - 1;
+  if (!a.transposed || last < 2) return false;
+  int64_t positions = 1;
+  for (int64_t i = 2; i <= last; ++i) positions *= a.input.size(i);
+  return a.input.size(last) == 1 && a.weight.size(last) > 1 && positions > 1;
+}
+
+// Whether a 3-D transposed layer has padding > stride in its depth dim and no input position there
+// whose kernel taps all land inside the output (input i writes output i*s - p + j*d): where 2.13's
+// oneDNN float32 path has computed a wrong grad_weight or corrupted the heap. Mirrors
+// args.depth_without_full_row.
+bool depth_without_full_row(const Args& a, const Expanded& e) {
+  if (!a.transposed || e.dims != 3) return false;
+  const int64_t size_in = a.input.size(2), size_out = a.grad_output.size(2), k = a.weight.size(2);
+  const int64_t s = e.stride[0], p = e.padding[0], d = e.dilation[0];
+  if (p <= s) return false;
+  for (int64_t i = 0; i < size_in; ++i) {
+    if (i * s - p >= 0 && i * s - p + (k - 1) * d < size_out) return false;
+  }
+  return true;
+}
+
+// Whether 2.13's oneDNN convolutions are known wrong on this call in bfloat16 / float16. Mirrors
+// args.onednn_defect.
+bool onednn_defect(const Args& a, const Expanded& e) {
+  return has_dead_tap(a, e) || width_one_transposed(a);
+}
+
 // The class of a call: its layer class, unless native would serve it on a path known to be wrong
 // there (the dead-taps class).
 LayerClass classify(const Args& a, const Expanded& e) {
@@ -435,7 +471,9 @@ LayerClass classify(const Args& a, const Expanded& e) {
   const bool native = cls == LayerClass::Dense || cls == LayerClass::Transposed || cls == LayerClass::SmallPlanes ||
       cls == LayerClass::Kn2row || cls == LayerClass::NoOutputChannels;
   const auto dtype = a.grad_output.scalar_type();
-  if (native && a.grad_output.is_cpu() && (dtype == at::kBFloat16 || dtype == at::kHalf) && has_dead_tap(a, e)) {
+  const bool reduced = dtype == at::kBFloat16 || dtype == at::kHalf;
+  if (native && a.grad_output.is_cpu() && dtype != at::kDouble &&
+      ((reduced && onednn_defect(a, e)) || depth_without_full_row(a, e))) {
     const auto backend = native_backend(a);
     if (backend == at::native::ConvBackend::Mkldnn || backend == at::native::ConvBackend::MkldnnTranspose) {
       return LayerClass::DeadTaps;
@@ -643,24 +681,25 @@ Result gemm_backward(const Args& a, const Expanded& e, GemmAlgorithm algorithm) 
   return {gi, gw, gb};
 }
 
-// The dead-taps class: native's result computed in float32, rounded once into native's layout for
-// the call's own dtype. Only what the mask asks for is converted (a stride-0 placeholder for the
-// unused tensor stays a placeholder).
-Result float32_backward(const Args& a) {
+// The dead-taps class: native's result computed in `compute` (float32; float64 where native's
+// float32 oneDNN path is wrong too), rounded once into native's layout for the call's own dtype.
+// Only what the mask asks for is converted (a stride-0 placeholder for the unused tensor stays a
+// placeholder).
+Result upcast_backward(const Args& a, at::ScalarType compute) {
   const OutputLayout layout = output_layout(a);
-  const auto f32 = [](const at::Tensor& t, bool needed) {
-    return needed ? t.to(at::kFloat) : at::empty({}, t.options().dtype(at::kFloat)).expand(t.sizes());
+  const auto up = [compute](const at::Tensor& t, bool needed) {
+    return needed ? t.to(compute) : at::empty({}, t.options().dtype(compute)).expand(t.sizes());
   };
-  const at::Tensor go = a.grad_output.to(at::kFloat);
-  const at::Tensor x = f32(a.input, a.output_mask[1]);
-  const at::Tensor w = f32(a.weight, a.output_mask[0]);
+  const at::Tensor go = a.grad_output.to(compute);
+  const at::Tensor x = up(a.input, a.output_mask[1]);
+  const at::Tensor w = up(a.weight, a.output_mask[0]);
   const Args f{go, x, w, a.bias_sizes, a.stride, a.padding, a.dilation, a.transposed, a.output_padding, a.groups,
                a.output_mask};
-  auto [gi32, gw32, gb32] = call_original(f);
+  auto [gi_up, gw_up, gb_up] = call_original(f);
   at::Tensor gi, gw, gb;
-  if (a.output_mask[0]) gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt).copy_(gi32);
-  if (a.output_mask[1]) gw = empty_like_native_weight(a.weight, layout).copy_(gw32);
-  if (a.output_mask[2]) gb = gb32.to(a.grad_output.scalar_type());
+  if (a.output_mask[0]) gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt).copy_(gi_up);
+  if (a.output_mask[1]) gw = empty_like_native_weight(a.weight, layout).copy_(gw_up);
+  if (a.output_mask[2]) gb = gb_up.to(a.grad_output.scalar_type());
   return {gi, gw, gb};
 }
 
@@ -700,7 +739,7 @@ Result compiled_backward(const Args& a) {
       if (a.grad_output.is_cpu()) return gemm_backward(a, e, GemmAlgorithm::Kn2row);
       break;
     case LayerClass::DeadTaps:
-      return float32_backward(a);
+      return upcast_backward(a, depth_without_full_row(a, e) ? at::kDouble : at::kFloat);
     case LayerClass::SmallPlanes:
     case LayerClass::Kn2row:
     case LayerClass::Dense:

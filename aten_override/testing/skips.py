@@ -6,9 +6,9 @@ runner's summary groups skipped tests by these reasons.
 
 from __future__ import annotations
 
-from ..ops.convolution_backward.args import dead_taps
+from ..ops.convolution_backward.args import dead_taps, width_one_transposed
 
-__all__ = ["SKIPS", "dead_taps", "native_defect_reason"]
+__all__ = ["SKIPS", "dead_taps", "native_defect_reason", "width_one_transposed"]
 
 SKIPS: dict[str, str] = {
     "channels_last_1d": "channels_last applies to 2-D and 3-D convolutions only",
@@ -26,8 +26,10 @@ def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_siz
     float16 / bfloat16 on the CPU, where a kernel tap only ever meets padding (:func:`dead_taps`), the
     oneDNN path leaves that tap of ``grad_weight`` uninitialised (bfloat16) and segfaults computing
     ``grad_input`` of transposed layers, e.g. ``input (1, 3, 3, 3, 2) f16, weight (3, 2, 1, 3, 1),
-    stride 2, padding [1, 1, 1], dilation [2, 2, 2], output_mask [True, False, False]``. A crash or
-    garbage cannot be compared against, so the fuzzer draws these calls in float32.
+    stride 2, padding [1, 1, 1], dilation [2, 2, 2], output_mask [True, False, False]``; on transposed
+    layers of input width 1 under a wider kernel (:func:`width_one_transposed`, e.g. ``input
+    (2, 16, 8, 1) bf16``, kernel 3x3, stride 2) it leaves most of bfloat16 ``grad_input`` unwritten.
+    A crash or garbage cannot be compared against, so the fuzzer draws these calls in float32.
     """
     import torch
 
@@ -37,4 +39,7 @@ def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_siz
                      stride=stride, padding=padding, dilation=dilation)):
         return ("the original CPU kernel leaves grad_weight uninitialised (bfloat16) or segfaults (grad_input, "
                 "transposed) where a kernel tap only meets padding (torch 2.13)")
+    if width_one_transposed(transposed=transposed, input_size=input_size, kernel=kernel):
+        return ("the original CPU kernel leaves most of grad_input unwritten (bfloat16, oneDNN) on transposed layers "
+                "whose input has width 1 under a wider kernel (torch 2.13)")
     return None

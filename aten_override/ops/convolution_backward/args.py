@@ -34,6 +34,9 @@ __all__ = [
     "expected_output_spatial",
     "dead_taps",
     "has_dead_tap",
+    "width_one_transposed",
+    "onednn_defect",
+    "depth_without_full_row",
 ]
 
 FLOATING_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -124,6 +127,44 @@ def has_dead_tap(args: ConvolutionBackwardArgs) -> bool:
         transposed=a.transposed, input_size=a.input.shape[2:], grad_output_size=a.grad_output.shape[2:],
         kernel=a.weight.shape[2:], stride=a.stride, padding=a.padding, dilation=a.dilation,
     ))
+
+
+def width_one_transposed(*, transposed: bool, input_size, kernel) -> bool:
+    """Whether a transposed layer's input has width 1 (its last spatial dim) under a kernel more than
+    one tap wide there, and more than one spatial position in all (e.g. ``input (N, C, 8, 1)``,
+    ``kernel (3, 3)``, ``stride 2``). Sizes are spatial. On x86 with AMX, torch 2.13's oneDNN
+    bfloat16 path leaves most of ``grad_input`` unwritten on such layers, with no dead tap (found by
+    scripts/sweep_native_defects.py; a ``(1, 1)`` input, as in DCGAN's first layer, is right).
+    Mirrors ``width_one_transposed`` in csrc/convolution_backward.cpp.
+    """
+    positions = 1
+    for size in input_size:
+        positions *= size
+    return bool(transposed) and len(input_size) > 0 and input_size[-1] == 1 and kernel[-1] > 1 and positions > 1
+
+
+def depth_without_full_row(*, transposed: bool, input_size, grad_output_size, kernel, stride, padding,
+                           dilation) -> bool:
+    """Whether a 3-D transposed layer has padding > stride in its depth dim (the first spatial dim)
+    and no input position there whose kernel taps all land inside the output: input ``i`` writes
+    output ``i*s - p + j*d``. Sizes are spatial. Covers every call found
+    (scripts/sweep_native_defects.py) where torch 2.13's oneDNN float32 path computes a wrong
+    ``grad_weight`` or corrupts the heap (SIGSEGV / SIGABRT), e.g. ``input (2, 16, 3, 1, 1)``,
+    ``kernel (4, 1, 1)``, stride 2, padding (3, 0, 0); it is wider than that set (most such layers
+    are right). Mirrors ``depth_without_full_row`` in csrc/convolution_backward.cpp.
+    """
+    if not transposed or len(input_size) != 3:
+        return False
+    size_in, size_out, k, s, p, d = (v[0] for v in (input_size, grad_output_size, kernel, stride, padding, dilation))
+    return p > s and not any(i * s - p >= 0 and i * s - p + (k - 1) * d < size_out for i in range(size_in))
+
+
+def onednn_defect(args: ConvolutionBackwardArgs) -> bool:
+    """Whether torch 2.13's oneDNN convolutions are known wrong on ``args`` in bfloat16 / float16:
+    :func:`has_dead_tap` or :func:`width_one_transposed`. Mirrors ``onednn_defect`` in
+    csrc/convolution_backward.cpp."""
+    return has_dead_tap(args) or width_one_transposed(
+        transposed=args.transposed, input_size=args.input.shape[2:], kernel=args.weight.shape[2:])
 
 
 def expected_output_spatial(args: ConvolutionBackwardArgs) -> list[int]:

@@ -41,8 +41,14 @@ kn2row               native   1-D/2-D ``groups == 1``, stride 1, taps in one dim
                               faster than native's oneDNN there
 dead-taps            upcast   bfloat16/float16 where native picks oneDNN and a kernel tap only meets
                               padding: torch 2.13's oneDNN leaves that tap of grad_weight uninitialised
-                              and segfaults on grad_input of such transposed layers; native in float32,
-                              rounded once (tests/ops/convolution_backward/test_native_defects.py)
+                              and segfaults on grad_input of such transposed layers; also transposed
+                              layers of input width 1 under a wider kernel (most of grad_input left
+                              unwritten); native in float32, rounded once. Also 3-D transposed
+                              layers (any dtype but float64) with padding > stride in depth and no
+                              input position there that meets the whole kernel: oneDNN's float32
+                              grad_weight is wrong or
+                              corrupts the heap on some; native in float64
+                              (tests/ops/convolution_backward/test_native_defects.py)
 ==================== ======== =================================================================
 
 "native" is a deliberate choice, not a fallback: the call is counted as served by the compiled

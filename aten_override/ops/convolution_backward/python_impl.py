@@ -35,7 +35,7 @@ from .args import (
     ConvolutionBackwardArgs,
     FLOATING_DTYPES,
     check_args,
-    has_dead_tap,
+    onednn_defect,
     empty_like_native,
     native_backend,
     output_memory_format,
@@ -81,12 +81,12 @@ def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
 
 def _bf16_on_onednn(t: torch.Tensor, a: ConvolutionBackwardArgs) -> bool:
     """Whether bfloat16 work on ``t``'s device may run in bfloat16: oneDNN's convolutions and GEMMs
-    accumulate bfloat16 products in float32 and round once, as the native kernel does. Not where a
-    kernel tap only meets padding (:func:`.args.has_dead_tap`): torch 2.13's oneDNN convolutions
-    segfault or read uninitialised memory there."""
+    accumulate bfloat16 products in float32 and round once, as the native kernel does. Not where
+    torch 2.13's oneDNN convolutions are known wrong (:func:`.args.onednn_defect`: a kernel tap only
+    meets padding, or a transposed layer of width 1): they segfault or read uninitialised memory there."""
     return (
         t.dtype == torch.bfloat16
-        and not has_dead_tap(a)
+        and not onednn_defect(a)
         and t.device.type == "cpu"
         and torch.backends.mkldnn.is_available()
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
