@@ -7,7 +7,7 @@ transposed, stride / padding / dilation / groups, ``output_padding`` up to
 bfloat16 / float16, channels_last or non-contiguous ``input`` / ``weight``, and contiguous,
 channels_last, non-contiguous or expanded (stride-0) ``grad_output``. Calls on which the original
 kernel crashes or returns uninitialised values (:func:`.skips.native_defect_reason`) are drawn in
-float32 instead.
+float32 (or float64) instead.
 
 A drawn :class:`ConvolutionBackwardCase` renders itself as a self-contained Python snippet
 (:meth:`ConvolutionBackwardCase.reproduction`) that calls
@@ -271,12 +271,14 @@ def convolution_backward_cases(draw, device: str = "cpu", dtypes: Sequence[torch
     may_omit_bias = not (batch == 0 and output_mask[2])
     bias_sizes = None if may_omit_bias and draw(st.booleans()) else [c_out]
     dtype = draw(st.sampled_from(list(dtypes)))
-    defect = native_defect_reason(
-        device_type=torch.device(device).type, dtype=dtype, transposed=transposed, input_size=spatial_in,
-        grad_output_size=spatial_out, kernel=kernel, stride=stride, padding=padding, dilation=dilation,
-    )
-    if defect is not None:  # rare: the reference would crash or be garbage; draw the call in float32
-        dtype = torch.float32
+    # Rare: where the reference would crash or be garbage, draw the call in float32, else float64.
+    for fallback_dtype in (dtype, torch.float32, torch.float64):
+        dtype = fallback_dtype
+        if native_defect_reason(
+            device_type=torch.device(device).type, dtype=dtype, transposed=transposed, input_size=spatial_in,
+            grad_output_size=spatial_out, kernel=kernel, stride=stride, padding=padding, dilation=dilation,
+        ) is None:
+            break
     return ConvolutionBackwardCase(
         grad_output=TensorRecipe((batch, c_out, *spatial_out), _draw_layout(draw, dims, _LAYOUTS)),
         input=TensorRecipe((batch, c_in, *spatial_in), _draw_layout(draw, dims, _LAYOUTS[:3])),

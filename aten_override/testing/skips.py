@@ -6,7 +6,7 @@ runner's summary groups skipped tests by these reasons.
 
 from __future__ import annotations
 
-from ..ops.convolution_backward.args import dead_taps, width_one_transposed
+from ..ops.convolution_backward.args import dead_taps, depth_without_full_row, width_one_transposed
 
 __all__ = ["SKIPS", "dead_taps", "native_defect_reason", "width_one_transposed"]
 
@@ -29,11 +29,20 @@ def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_siz
     stride 2, padding [1, 1, 1], dilation [2, 2, 2], output_mask [True, False, False]``; on transposed
     layers of input width 1 under a wider kernel (:func:`width_one_transposed`, e.g. ``input
     (2, 16, 8, 1) bf16``, kernel 3x3, stride 2) it leaves most of bfloat16 ``grad_input`` unwritten.
-    A crash or garbage cannot be compared against, so the fuzzer draws these calls in float32.
+    3-D transposed layers with padding > stride in depth and no full input row there
+    (:func:`depth_without_full_row`) get a wrong ``grad_weight`` or a corrupted heap in every dtype
+    but float64. A crash or garbage cannot be compared against, so the fuzzer draws these calls in
+    float32, or float64 where float32 is affected too.
     """
     import torch
 
-    if device_type != "cpu" or dtype not in (torch.float16, torch.bfloat16):
+    if device_type != "cpu" or dtype == torch.float64:
+        return None
+    if depth_without_full_row(transposed=transposed, input_size=input_size, grad_output_size=grad_output_size,
+                              kernel=kernel, stride=stride, padding=padding, dilation=dilation):
+        return ("the original CPU kernel computes a wrong grad_weight or corrupts the heap on 3-D transposed layers "
+                "with padding > stride in depth and no full input row there (oneDNN, torch 2.13)")
+    if dtype not in (torch.float16, torch.bfloat16):
         return None
     if any(dead_taps(transposed=transposed, input_size=input_size, grad_output_size=grad_output_size, kernel=kernel,
                      stride=stride, padding=padding, dilation=dilation)):

@@ -81,3 +81,18 @@ def test_layouts():
     assert build("noncontiguous").stride()[-1] == 2
     assert build("expanded_batch").stride()[0] == 0
     assert build("expanded_spatial").stride()[2:] == (0, 0)
+
+
+def test_native_defects_are_drawn_in_a_dtype_native_gets_right():
+    from aten_override.testing.skips import native_defect_reason
+
+    # 3-D transposed, padding > stride in depth, no full input row there: float32 is affected too
+    depth = dict(device_type="cpu", transposed=True, input_size=[3, 1, 1], grad_output_size=[2, 1, 1],
+                 kernel=[4, 1, 1], stride=[2, 2, 2], padding=[3, 0, 0], dilation=[1, 1, 1])
+    assert native_defect_reason(dtype=torch.float32, **depth) is not None
+    assert native_defect_reason(dtype=torch.float64, **depth) is None
+    # a dead tap: reduced precision only
+    dead = dict(device_type="cpu", transposed=False, input_size=[1], grad_output_size=[1], kernel=[3], stride=[2],
+                padding=[1], dilation=[1])
+    assert native_defect_reason(dtype=torch.bfloat16, **dead) is not None
+    assert native_defect_reason(dtype=torch.float32, **dead) is None
