@@ -116,7 +116,12 @@ def dead_taps(*, transposed: bool, input_size, grad_output_size, kernel, stride,
     dead = []
     for size_in, size_out, k, s, p, d in zip(input_size, grad_output_size, kernel, stride, padding, dilation):
         strided, other = (size_in, size_out) if transposed else (size_out, size_in)
-        dead.append([j for j in range(k) if not any(0 <= t * s - p + j * d < other for t in range(strided))])
+        # tap j is valid at position t where lo <= t*s <= other - 1 + lo, lo = p - j*d: the first
+        # such t is max(0, ceil(lo / s)); O(kernel) per dim, not O(kernel * size) (per-call path)
+        dead.append([
+            j for j in range(k)
+            if (t := max(0, -(-(p - j * d) // s))) >= strided or t * s > other - 1 + p - j * d
+        ])
     return dead
 
 

@@ -86,10 +86,10 @@ def _bf16_on_onednn(t: torch.Tensor, a: ConvolutionBackwardArgs) -> bool:
     meets padding, or a transposed layer of width 1): they segfault or read uninitialised memory there."""
     return (
         t.dtype == torch.bfloat16
-        and not onednn_defect(a)
         and t.device.type == "cpu"
         and torch.backends.mkldnn.is_available()
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and not onednn_defect(a)
     )
 
 
