@@ -91,7 +91,9 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "(bfloat16 stays dense: computed in float32 it measured 1.8x native's time and memory)"},
     {"kn2row-3d", "gemm",
      "3-D, groups == 1, stride 1, taps in one dim only (R(2+1)D's 3x1x1), where native picks Slow3d (7% of "
-     "peak): one GEMM per tap on shifted views, no copies; measured 0.35-0.38x native"},
+     "peak): one GEMM per tap on shifted views, no copies; measured 0.35-0.38x native. Also where native picks "
+     "oneDNN, from 2^18 grad_output elements: 0.59-0.99x its time, 0.41-0.84x its peak memory (it maps fresh "
+     "pages per call)"},
     {"im2col-3d", "gemm",
      "other 3-D layers with groups == 1 where native picks Slow3d (C3D's first layer: 6% of peak): vol2col + "
      "GEMM in bounded chunks, measured 0.30-0.33x. Where native picks oneDNN (near the limit: 43-57% of peak, "
@@ -126,6 +128,11 @@ constexpr int64_t kDirectMinPlane = 64;
 // take (select_conv_backend, about 1 us a call): smaller layers stay dense, there is nothing to gain
 // from GEMMs that small, and the per-call cost on tiny convolutions stays that of the dense class.
 constexpr int64_t kGemmMinOutputs = 512;
+
+// Fewest grad_output elements for which kn2row-3d takes a layer native would send to oneDNN: R(2+1)D's
+// 3x1x1 layers (2^18 to 2^20 elements) measured 0.59-0.99x native's time and 0.41-0.84x its peak
+// memory; a 2^16-element one 1.09x.
+constexpr int64_t kKn2rowOnednnMinOutputs = int64_t(1) << 18;
 
 // --- counters (merged into aten_override.stats()) ----------------------------------------------
 
@@ -388,8 +395,13 @@ LayerClass gemm_class(const Args& a, const Expanded& e) {
     return native_backend(a) == at::native::ConvBackend::Mkldnn ? LayerClass::Pointwise : LayerClass::Dense;
   }
   if (e.dims == 3) {
-    if (native_backend(a) != at::native::ConvBackend::Slow3d) return LayerClass::Dense;
-    return kn2row_applies(p) ? LayerClass::Kn2row3d : LayerClass::Im2col3d;
+    const auto backend = native_backend(a);
+    if (kn2row_applies(p) &&
+        (backend == at::native::ConvBackend::Slow3d ||
+         (backend == at::native::ConvBackend::Mkldnn && a.grad_output.numel() >= kKn2rowOnednnMinOutputs))) {
+      return LayerClass::Kn2row3d;
+    }
+    return backend == at::native::ConvBackend::Slow3d ? LayerClass::Im2col3d : LayerClass::Dense;
   }
   return kn2row_applies(p) ? LayerClass::Kn2row : LayerClass::Dense;
 }

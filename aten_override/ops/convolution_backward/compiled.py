@@ -34,7 +34,8 @@ pointwise            gemm     1x1, no padding, ``groups == 1``, at least 512 gra
 grouped-gemm         gemm     float32/float64, ``1 < groups < C_in`` with more than 64 channel pairs per
                               group (ResNeXt layer2-4): im2col + GEMM group by group
 kn2row-3d            gemm     3-D, ``groups == 1``, stride 1, taps in one dim (3x1x1), where native picks
-                              Slow3d: one GEMM per tap on shifted views, no copies
+                              Slow3d (or oneDNN, from 2^18 grad_output elements): one GEMM per tap on
+                              shifted views, no copies
 im2col-3d            gemm     other 3-D ``groups == 1`` layers where native picks Slow3d: vol2col + GEMM
                               in chunks bounded by an 8 MiB workspace
 kn2row               native   1-D/2-D ``groups == 1``, stride 1, taps in one dim: kn2row measured no

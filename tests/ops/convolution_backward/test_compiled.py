@@ -518,6 +518,8 @@ GEMM_CASES = {
     "grouped-gemm,rows": GemmCase("grouped-gemm", 18, 18, (60, 61), (3, 3), (1, 1), (1, 1), groups=2, batch=1),
     # native picks Slow3d for float32 3-D with batch 1.
     "kn2row-3d": GemmCase("kn2row-3d", 4, 5, (6, 7, 8), (3, 1, 1), (1, 1, 1), (1, 0, 0), batch=1, native="Slow3d"),
+    # float32 with a batch of 2 goes to oneDNN; from 2^18 grad_output elements kn2row-3d takes it too.
+    "kn2row-3d,onednn": GemmCase("kn2row-3d", 16, 16, (8, 32, 32), (3, 1, 1), (1, 1, 1), (1, 0, 0), batch=2, native="Mkldnn"),
     "im2col-3d": GemmCase("im2col-3d", 4, 5, (6, 7, 8), (3, 2, 3), (1, 2, 1), (1, 0, 2), batch=1, native="Slow3d"),
     # 3 x 27 rows x 25600 positions (9 MB) exceed the 8 MiB workspace: chunks of output rows.
     "im2col-3d,rows": GemmCase("im2col-3d", 3, 8, (16, 40, 40), (3, 3, 3), (1, 1, 1), (1, 1, 1), batch=1, native="Slow3d"),
