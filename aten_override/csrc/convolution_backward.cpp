@@ -65,7 +65,8 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "instead of upstream's abort"},
     {"depthwise", "direct",
      "groups == C_in (channel multiplier C_out / C_in >= 1), any plane size: native's depthwise paths reach 1-6% "
-     "of FLOP peak; fused kernel (cpu/depthwise.cpp), one pass over grad_output and input"},
+     "of FLOP peak; fused kernel (cpu/depthwise.cpp), one pass over grad_output and input: plane by plane, or "
+     "with channels in the vector lanes on small or strided planes (MobileNetV2's 7x7 and stride-2 stages)"},
     {"grouped", "direct",
      "1 < groups < C_in with (C_in / groups) * (C_out / groups) <= 64 (ResNeXt layer1): native reaches 7-13% of peak; "
      "direct kernel per group"},
@@ -837,6 +838,13 @@ std::string layer_class_name(const Args& a) {
   return kLayerClasses[static_cast<int>(classify(a, check_args(a)))].name;
 }
 
+// Which CPU kernel of cpu/depthwise.cpp computes a call of the depthwise class; nullopt otherwise.
+std::optional<std::string> depthwise_kernel_name(const Args& a) {
+  const Expanded e = check_args(a);
+  if (classify(a, e) != LayerClass::Depthwise || !a.grad_output.is_cpu()) return std::nullopt;
+  return std::string(depthwise_cpu_kernel(direct_problem(a, e), a.grad_output.scalar_type()));
+}
+
 py::dict py_stats() {
   auto& c = counters();
   py::dict out, classes, reasons;
@@ -889,6 +897,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          "; None where output_mask is False. Raises RuntimeError 'convolution_backward[compiled]: ...'.").c_str(),
         py::call_guard<py::gil_scoped_release>());
   m.def("layer_class", with_aten_args(layer_class_name), "The layer class (see layer_classes()) of a call, after checking its arguments.");
+  m.def("depthwise_kernel", with_aten_args(depthwise_kernel_name),
+        "'channels-in-lanes' or 'per-plane': the CPU kernel (cpu/depthwise.cpp) that computes a call of the depthwise "
+        "class; None for other classes and devices.");
   m.def("unsupported_reason", &unsupported_reason,
         "unsupported_reason(grad_output, input, weight) -> why the call goes to the original kernel, or None.");
   m.def("cuda_kernels", &cuda_kernels_name,

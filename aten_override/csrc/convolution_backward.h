@@ -68,7 +68,10 @@ void gemm_backward_cpu(
 
 // The fused depthwise kernel (cpu/depthwise.cpp): groups == C_in (in_per_group == 1), any channel
 // multiplier. grad_input / grad_weight as above and grad_bias (C_out,), each computed when its pointer
-// is not null (then weight / input must be defined), all in one pass over grad_output.
+// is not null (then weight / input must be defined), all in one pass over grad_output. Small or
+// strided planes are computed with channels in the vector lanes, others plane by plane
+// (depthwise_cpu_kernel says which).
+const char* depthwise_cpu_kernel(const DirectProblem& p, at::ScalarType dtype);
 void depthwise_backward_cpu(
     const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     at::Tensor* grad_input, at::Tensor* grad_weight, at::Tensor* grad_bias);

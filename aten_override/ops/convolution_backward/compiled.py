@@ -17,7 +17,9 @@ empty                zeros    zero batch / zero input channels (upstream's Empty
                               with ``bias_sizes=None``
 depthwise            direct   ``groups == C_in`` (any channel multiplier, any plane size): native
                               reaches 1-6% of FLOP peak; fused kernel (``csrc/cpu/depthwise.cpp``),
-                              grad_input and grad_weight in one pass over grad_output and input
+                              grad_input and grad_weight in one pass over grad_output and input;
+                              small or strided planes with channels in the vector lanes
+                              (:func:`depthwise_kernel`)
 grouped              direct   ``1 < groups < C_in``, ``(C_in/groups)*(C_out/groups) <= 64``; larger groups: dense
 one-channel          direct   ``groups == 1, C_in == 1`` (wav2vec2's first layer)
 small-planes         native   grouped / one-channel with under 64 output elements per channel: the
@@ -139,6 +141,19 @@ def layer_class(args: ConvolutionBackwardArgs) -> str:
     """
     _require()
     return _ext.layer_class(*_aten_args(args))
+
+
+def depthwise_kernel(args: ConvolutionBackwardArgs) -> str | None:
+    """Which CPU kernel of ``csrc/cpu/depthwise.cpp`` computes ``args`` when its class is ``depthwise``:
+    ``"channels-in-lanes"`` (planes of at most 128 elements, or strided with at most 1,024 grad_output
+    elements per plane, and at least half a vector of channels: 8 for float32 / bfloat16 / float16, 4
+    for float64) or ``"per-plane"``; ``None`` for other classes and for CUDA calls.
+
+    Raises:
+        RuntimeError: as :func:`layer_class`.
+    """
+    _require()
+    return _ext.depthwise_kernel(*_aten_args(args))
 
 
 def convolution_backward(args: ConvolutionBackwardArgs):

@@ -88,10 +88,12 @@ def make_args(
     batch: int = 2,
     device: str = "cpu",
     seed: int = 0,
+    spatial: list[int] | None = None,
 ) -> ConvolutionBackwardArgs:
-    """Random arguments of ``aten::convolution_backward`` for one layer (grad_output of the right size)."""
+    """Random arguments of ``aten::convolution_backward`` for one layer (grad_output of the right size;
+    input of ``spatial``, by default ``SPATIAL[dims]``)."""
     g = torch.Generator().manual_seed(seed)
-    spatial = SPATIAL[dims]
+    spatial = spatial or SPATIAL[dims]
     k = [geometry.kernel] * dims
     if layer.transposed:
         w_shape = [layer.c_in, layer.c_out // layer.groups, *k]
@@ -460,6 +462,103 @@ def test_depthwise_small_planes_stay_depthwise(name, dims):
     assert_matches_original(small, ours)
 
 
+# --- the channels-in-lanes depthwise kernel -------------------------------------------------------
+
+# 20 channels: a full block of 16 lanes (float32 / reduced; 8 for float64) and a partial one.
+LANES_LAYERS = {
+    "c20": Layer("depthwise", 20, 20, groups=20),
+    "c20-x2": Layer("depthwise", 20, 40, groups=20),  # channel multiplier 2
+}
+LANES_GEOMETRIES = GEOMETRIES + [
+    Geometry("k5,s2,p2", 5, stride=2, padding=2),
+    Geometry("k3,p2,d2", 3, padding=2, dilation=2),
+]
+# "small": input planes of at most 128 elements, any stride; "strided": larger planes, stride > 1
+# (grad_output planes of at most 1,024 elements).
+LANES_SPATIAL = {
+    "small": {1: [37], 2: [9, 11], 3: [3, 5, 6]},
+    "strided": {1: [300], 2: [30, 34], 3: [6, 10, 12]},
+}
+
+
+def _lanes_cases():
+    cases = []
+
+    def add(name, geometry, dims, size="small", dtype=torch.float32, fmt=torch.contiguous_format, mask=(True,) * 3):
+        parts = [f"dim={dims}", name, geometry.name, size]
+        if dtype is not torch.float32:
+            parts.append(_dtype_name(dtype))
+        if fmt is not torch.contiguous_format:
+            parts.append(_fmt_name(fmt))
+        if mask != (True,) * 3:
+            parts.append(_mask_name(mask))
+        cases.append(pytest.param(name, geometry, dims, size, dtype, fmt, mask, id=",".join(parts)))
+
+    for name, dims, geometry in itertools.product(LANES_LAYERS, (1, 2, 3), LANES_GEOMETRIES):
+        add(name, geometry, dims)
+        if geometry.stride > 1:
+            add(name, geometry, dims, size="strided")
+    for name, dims, dtype in itertools.product(LANES_LAYERS, (1, 2, 3), (torch.float64, torch.bfloat16, torch.float16)):
+        add(name, LANES_GEOMETRIES[3], dims, dtype=dtype)
+        add(name, LANES_GEOMETRIES[1], dims, size="strided", dtype=dtype)
+    for name in LANES_LAYERS:
+        add(name, GEOMETRIES[0], 2, fmt=torch.channels_last)
+        add(name, GEOMETRIES[1], 2, size="strided", dtype=torch.bfloat16, fmt=torch.channels_last)
+        add(name, GEOMETRIES[0], 3, fmt=torch.channels_last_3d)
+        for mask in ALL_MASKS:
+            if mask != (True,) * 3:
+                add(name, GEOMETRIES[1], 2, mask=mask)
+    return cases
+
+
+@pytest.mark.parametrize("name,geometry,dims,size,dtype,memory_format,output_mask", _lanes_cases())
+def test_depthwise_lanes_kernel_matches_original(name, geometry, dims, size, dtype, memory_format, output_mask):
+    """The channels-in-lanes depthwise kernel (small or strided planes: MobileNetV2's 7x7 and
+    stride-2 stages) against the original kernel and float64, as the matrix above."""
+    args = make_args(
+        LANES_LAYERS[name], geometry, dims, dtype, memory_format, output_mask, batch=3,
+        spatial=LANES_SPATIAL[size][dims],
+    )
+    assert compiled.depthwise_kernel(args) == "channels-in-lanes"
+    aten_override.reset_stats()
+    ours = run_compiled(args)
+    assert_compiled_served("depthwise")
+    assert_matches_original(args, ours)
+
+
+def test_depthwise_kernel_choice():
+    """Which depthwise kernel takes a call: lanes for small or strided planes with at least half a
+    vector of channels, per-plane otherwise; None for other classes."""
+    def kernel(c, spatial, geometry=GEOMETRIES[0], dtype=torch.float32, layer=None):
+        layer = layer or Layer("depthwise", c, c, groups=c)
+        return compiled.depthwise_kernel(make_args(layer, geometry, len(spatial), dtype, spatial=spatial))
+
+    assert kernel(16, [11, 11]) == "channels-in-lanes"  # 121 elements
+    assert kernel(16, [12, 12]) == "per-plane"  # 144, stride 1
+    assert kernel(16, [56, 56], GEOMETRIES[1]) == "channels-in-lanes"  # stride 2: 27x27 grad_output
+    assert kernel(16, [70, 70], GEOMETRIES[1]) == "per-plane"  # 34x34 grad_output
+    assert kernel(7, [7, 7]) == "per-plane"  # under half of 16 lanes
+    assert kernel(4, [7, 7], dtype=torch.float64) == "channels-in-lanes"  # half of 8 lanes
+    assert kernel(0, [7, 7], layer=LAYERS["grouped"]) is None
+
+
+@pytest.mark.parametrize("output_mask", [(True, True, True), (True, False, False)], ids=_mask_name)
+def test_depthwise_lanes_kernel_large_output_and_deterministic(output_mask):
+    """A 10 MiB grad_input (written with non-temporal stores) through the lanes kernel: the original
+    kernel's values, bitwise the same again and with one thread."""
+    layer = Layer("depthwise", 520, 520, groups=520)
+    args = make_args(layer, GEOMETRIES[1], 2, output_mask=output_mask, batch=5, spatial=[32, 32])
+    assert args.input.numel() * 4 >= 8 << 20
+    assert compiled.depthwise_kernel(args) == "channels-in-lanes"
+    aten_override.reset_stats()
+    ours = run_compiled(args)
+    assert_compiled_served("depthwise")
+    assert_matches_original(args, ours)
+    for again in (run_compiled(args), run_compiled_on_one_thread(args)):
+        for a, b in zip(ours, again):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
 def test_layer_class_table_matches_docs():
     names = [row[0] for row in compiled.LAYER_CLASSES]
     assert names == [
@@ -683,8 +782,11 @@ def test_long_reductions_as_accurate_as_native(layer_class, c_in, c_out, groups)
 @pytest.mark.parametrize("where", ["weight", "input"])
 @pytest.mark.parametrize(
     "layer_class, c_in, c_out, groups, dims",
-    [("depthwise", 2, 2, 2, 1), ("depthwise", 2, 4, 2, 2), ("grouped", 8, 8, 2, 2), ("one-channel", 1, 4, 1, 2)],
-    ids=["depthwise-1d", "depthwise-x2-2d", "grouped-2d", "one-channel-2d"],
+    [
+        ("depthwise", 2, 2, 2, 1), ("depthwise", 2, 4, 2, 2), ("depthwise", 16, 16, 16, 2), ("grouped", 8, 8, 2, 2),
+        ("one-channel", 1, 4, 1, 2),
+    ],
+    ids=["depthwise-1d", "depthwise-x2-2d", "depthwise-lanes-2d", "grouped-2d", "one-channel-2d"],
 )
 def test_non_finite_values_give_natives_result(layer_class, c_in, c_out, groups, dims, where, dtype):
     """An inf in weight (grad_input) or input (grad_weight) must not turn into NaN where native skips
