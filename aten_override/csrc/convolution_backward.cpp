@@ -49,6 +49,7 @@ enum class LayerClass : int {
   Im2col3d,
   Kn2row,
   DeadTaps,
+  GroupedLanes,
   Count
 };
 
@@ -87,9 +88,11 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "(ResNet-50). bfloat16 only where the whole batch is one AMX GEMM per output (in float32 it measured "
      "1.3-1.6x). Where native picks Slow2d (itself GEMMs) it stays dense: 1.03x"},
     {"grouped-gemm", "gemm",
-     "float32 / float64, 1 < groups < C_in with (C_in / groups) * (C_out / groups) > 64 (ResNeXt layer2-4): "
-     "native's oneDNN reaches 8-12% of peak; im2col + GEMM group by group in L2-sized chunks, measured 0.87x "
-     "(bfloat16 stays dense: computed in float32 it measured 1.8x native's time and memory)"},
+     "float32 / float64, 1 < groups < C_in with (C_in / groups) * (C_out / groups) > 64, some stride > 1, "
+     "where grouped-lanes does not apply (over 64 channels per group): native's oneDNN backward is weak on "
+     "strided grouped layers; im2col + GEMM group by group in L2-sized chunks, measured 0.63-0.87x. At stride 1 "
+     "native is faster (1.2-2.4x ours): dense. bfloat16 stays dense (in float32 it measured 1.8x native's time "
+     "and memory)"},
     {"kn2row-3d", "gemm",
      "3-D, groups == 1, stride 1, taps in one dim only (R(2+1)D's 3x1x1), where native picks Slow3d (7% of "
      "peak): one GEMM per tap on shifted views, no copies; measured 0.35-0.38x native. Also where native picks "
@@ -112,6 +115,12 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "dtype but float64, with padding > stride in depth and no input position there meeting the whole kernel: "
      "oneDNN's float32 grad_weight was wrong or corrupted the heap on some; computed by native in float64 (no "
      "oneDNN there)"},
+    {"grouped-lanes", "direct",
+     "float32 / float64 / bfloat16, 1 < groups, 2 to 64 channels per group on each side, (C_in / groups) * "
+     "(C_out / groups) > 64, some stride > 1, at least 2^20 grad_output elements, each group's tiles within "
+     "L2 (ResNeXt's stride-2 layers): native's oneDNN reaches 8-12% of peak there and im2col + GEMM (K = "
+     "C_out / groups) is memory-bound on its columns; each group's planes are transposed to [position][channel] "
+     "tiles and both gradients computed from them, no columns (cpu/depthwise.cpp): measured 0.4-0.6x native"},
 };
 static_assert(sizeof(kLayerClasses) / sizeof(kLayerClasses[0]) == static_cast<size_t>(LayerClass::Count));
 
@@ -129,6 +138,12 @@ constexpr int64_t kDirectMinPlane = 64;
 // take (select_conv_backend, about 1 us a call): smaller layers stay dense, there is nothing to gain
 // from GEMMs that small, and the per-call cost on tiny convolutions stays that of the dense class.
 constexpr int64_t kGemmMinOutputs = 512;
+
+// Fewest grad_output elements for which grouped-lanes takes a strided layer (fewer: dense). Measured
+// on ResNeXt-50's grouped layers (one thread): stride 2 with 2^20 to 2^22 elements 0.5-0.6x native's
+// time, 2^19 1.1x; at stride 1 native's oneDNN path is as fast or faster (0.6-1.9x ours), so
+// stride-1 grouped layers stay dense, as do stride-1 layers grouped-gemm used to take (1.2-2.4x).
+constexpr int64_t kGroupedLanesMinOutputs = int64_t(1) << 20;
 
 // Fewest grad_output elements for which kn2row-3d takes a layer native would send to oneDNN: R(2+1)D's
 // 3x1x1 layers (2^18 to 2^20 elements) measured 0.59-0.99x native's time and 0.41-0.84x its peak
@@ -375,6 +390,14 @@ std::optional<std::string> unsupported_reason(const at::Tensor& go, const at::Te
 DirectProblem direct_problem(const Args& a, const Expanded& e);
 at::native::ConvBackend native_backend(const Args& a);
 
+// Whether some stride is > 1.
+bool strided(const Expanded& e) {
+  for (int64_t i = 0; i < e.dims; ++i) {
+    if (e.stride[i] > 1) return true;
+  }
+  return false;
+}
+
 // The GEMM class of a dense or large-group layer (not transposed, C_out > 0), or Dense. Pointwise and
 // 3-D layers only where the native path they would take is the one the GEMM kernels were measured
 // to beat (see kLayerClasses); native's Slow2d is itself im2col + GEMM.
@@ -390,7 +413,7 @@ LayerClass gemm_class(const Args& a, const Expanded& e) {
       !(pointwise && gemm_keeps_reduced_dtype(GemmAlgorithm::Im2col, p, a.grad_output.element_size()))) {
     return LayerClass::Dense;
   }
-  if (a.groups > 1) return LayerClass::GroupedGemm;
+  if (a.groups > 1) return strided(e) ? LayerClass::GroupedGemm : LayerClass::Dense;
   if ((pointwise || e.dims == 3) && a.grad_output.numel() < kGemmMinOutputs) return LayerClass::Dense;
   if (pointwise) {
     return native_backend(a) == at::native::ConvBackend::Mkldnn ? LayerClass::Pointwise : LayerClass::Dense;
@@ -419,6 +442,9 @@ LayerClass classify_layer(const Args& a, const Expanded& e) {
     direct = LayerClass::Depthwise;
   } else if (a.groups > 1 && in_per_group * out_per_group <= kDirectMaxChannelPairs) {
     direct = LayerClass::Grouped;
+  } else if (a.groups > 1 && strided(e) && a.grad_output.scalar_type() != at::kHalf &&
+             grouped_lanes_applies(direct_problem(a, e), a.grad_output.scalar_type())) {
+    return a.grad_output.numel() >= kGroupedLanesMinOutputs ? LayerClass::GroupedLanes : LayerClass::Dense;
   }
   if ((direct == LayerClass::Grouped || direct == LayerClass::OneChannel) &&
       a.grad_output[0][0].numel() < kDirectMinPlane) {
@@ -669,6 +695,25 @@ Result direct_backward(const Args& a, const Expanded& e) {
   return {gi, gw, gb};
 }
 
+// The grouped-lanes class: grad_input and grad_weight from the grouped kernel, in upstream's layout.
+Result grouped_lanes_backward(const Args& a, const Expanded& e) {
+  const OutputLayout layout = output_layout(a);
+  at::Tensor gi, gw, gb, gi_buffer, gw_buffer;
+  const auto contiguous_buffer = [](const at::Tensor& out) {
+    return out.is_contiguous() ? out : at::empty(out.sizes(), out.options().memory_format(at::MemoryFormat::Contiguous));
+  };
+  if (a.output_mask[0]) gi_buffer = contiguous_buffer(gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt));
+  if (a.output_mask[1]) gw_buffer = contiguous_buffer(gw = empty_like_native_weight(a.weight, layout));
+  grouped_lanes_backward_cpu(
+      direct_problem(a, e), a.grad_output.contiguous(), a.output_mask[1] ? a.input.contiguous() : at::Tensor(),
+      a.output_mask[0] ? a.weight.contiguous() : at::Tensor(), gi.defined() ? &gi_buffer : nullptr,
+      gw.defined() ? &gw_buffer : nullptr);
+  if (gi.defined() && !gi.is_same(gi_buffer)) gi.copy_(gi_buffer);
+  if (gw.defined() && !gw.is_same(gw_buffer)) gw.copy_(gw_buffer);
+  if (a.output_mask[2]) gb = grad_bias(a.grad_output);
+  return {gi, gw, gb};
+}
+
 // The GEMM kernels' result, in upstream's layout.
 Result gemm_backward(const Args& a, const Expanded& e, GemmAlgorithm algorithm) {
   const OutputLayout layout = output_layout(a);
@@ -731,6 +776,7 @@ Result compiled_backward(const Args& a) {
     case LayerClass::Depthwise:
     case LayerClass::Grouped:
     case LayerClass::OneChannel:
+    case LayerClass::GroupedLanes:
       if (direct_kernel_serves(cls, a.grad_output)) {
         // The CPU direct kernels sum over zero-padded planes: an inf in weight (grad_input) or input
         // (grad_weight) times a padding zero is NaN where native skips the term. A non-finite weight
@@ -738,7 +784,7 @@ Result compiled_backward(const Args& a) {
         // inf / NaN) is recomputed by native, so such calls give native's values.
         const bool cpu = a.grad_output.is_cpu();
         if (cpu && a.output_mask[0] && !all_finite(a.weight)) break;
-        auto result = direct_backward(a, e);
+        auto result = cls == LayerClass::GroupedLanes ? grouped_lanes_backward(a, e) : direct_backward(a, e);
         if (cpu && a.output_mask[1] && !all_finite(std::get<1>(result))) break;
         return result;
       }

@@ -76,4 +76,13 @@ void depthwise_backward_cpu(
     const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     at::Tensor* grad_input, at::Tensor* grad_weight, at::Tensor* grad_bias);
 
+// The grouped kernel (cpu/depthwise.cpp, sharing the channels-in-lanes tiles): groups > 1 with 2 to 64
+// channels per group on each side, where grouped_lanes_applies() (its tiles fit L2). grad_input /
+// grad_weight as for the direct kernel, each computed when its pointer is not null; grad_bias is the
+// caller's. No columns: both gradients straight from [position][channel] tiles of each group.
+bool grouped_lanes_applies(const DirectProblem& p, at::ScalarType dtype);
+void grouped_lanes_backward_cpu(
+    const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    at::Tensor* grad_input, at::Tensor* grad_weight);
+
 }  // namespace aten_override

@@ -34,7 +34,8 @@ pointwise            gemm     1x1, no padding, ``groups == 1``, at least 512 gra
                               bfloat16 only where each output is one AMX GEMM (the batch fits one
                               chunk). Where native picks Slow2d (itself GEMMs): dense
 grouped-gemm         gemm     float32/float64, ``1 < groups < C_in`` with more than 64 channel pairs per
-                              group (ResNeXt layer2-4): im2col + GEMM group by group
+                              group and more than 64 channels on a side, some stride > 1: im2col + GEMM
+                              group by group (at stride 1 native is faster: dense)
 kn2row-3d            gemm     3-D, ``groups == 1``, stride 1, taps in one dim (3x1x1), where native picks
                               Slow3d (or oneDNN, from 2^18 grad_output elements): one GEMM per tap on
                               shifted views, no copies
@@ -52,6 +53,11 @@ dead-taps            upcast   bfloat16/float16 where native picks oneDNN and a k
                               grad_weight is wrong or
                               corrupts the heap on some; native in float64
                               (tests/ops/convolution_backward/test_native_defects.py)
+grouped-lanes        direct   float32/float64/bfloat16, more than 64 channel pairs per group, 2 to 64
+                              channels on each side, some stride > 1, at least 2^20 grad_output
+                              elements (ResNeXt's stride-2 layers; fewer or stride 1: dense): each
+                              group's planes transposed to [position][channel] tiles, both gradients
+                              from them without im2col columns (``csrc/cpu/depthwise.cpp``)
 ==================== ======== =================================================================
 
 "native" is a deliberate choice, not a fallback: the call is counted as served by the compiled

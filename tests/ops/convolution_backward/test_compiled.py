@@ -559,11 +559,114 @@ def test_depthwise_lanes_kernel_large_output_and_deterministic(output_mask):
             assert (a is None and b is None) or torch.equal(a, b)
 
 
+# --- the grouped-lanes class --------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GroupedLanesCase:
+    """A strided grouped layer of at least 2^20 grad_output elements whose group tiles fit L2."""
+
+    c_in: int
+    c_out: int
+    groups: int
+    batch: int
+    spatial: tuple
+    kernel: tuple
+    stride: tuple
+    padding: tuple
+    dilation: tuple
+
+    def args(self, dtype=torch.float32, output_mask=(True, True, True)) -> ConvolutionBackwardArgs:
+        g = torch.Generator().manual_seed(0)
+        out = [
+            (i + 2 * p - d * (k - 1) - 1) // s + 1
+            for i, k, s, p, d in zip(self.spatial, self.kernel, self.stride, self.padding, self.dilation)
+        ]
+
+        def rand(*shape):
+            return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+        return ConvolutionBackwardArgs(
+            rand(self.batch, self.c_out, *out), rand(self.batch, self.c_in, *self.spatial),
+            rand(self.c_out, self.c_in // self.groups, *self.kernel), [self.c_out], list(self.stride),
+            list(self.padding), list(self.dilation), False, [0] * len(self.kernel), self.groups, list(output_mask),
+        )
+
+
+GROUPED_LANES = {
+    # ResNeXt-like: 16 channels per group, 3x3 stride 2; 35 x 32 x 31 x 31 grad_output elements. Rows
+    # of 31 positions per stride phase: blocks of 4 and a tail of 3 (the 1-D case: tails of 2 and 1).
+    "16x16,g2,2d": GroupedLanesCase(32, 32, 2, 35, (62, 62), (3, 3), (2, 2), (1, 1), (1, 1)),
+    # Stride 3, dilation 2, padding 2 (stride phases with no tap).
+    "16x16,g2,2d,s3,d2": GroupedLanesCase(32, 32, 2, 64, (66, 66), (2, 2), (3, 3), (2, 2), (2, 2)),
+    # Partial vectors on both sides (9 and 20 channels per group).
+    "9x20,g3,1d": GroupedLanesCase(27, 60, 3, 18, (2003,), (3,), (2,), (1,), (1,)),
+    # 3-D, stride 2 in one dim only, 20 x 12 channels per group.
+    "20x12,g2,3d": GroupedLanesCase(40, 24, 2, 53, (6, 14, 20), (3, 3, 3), (1, 1, 2), (1, 1, 1), (1, 1, 1)),
+}
+
+
+def _grouped_lanes_cases():
+    cases = [pytest.param(name, torch.float32, (True,) * 3, id=name) for name in GROUPED_LANES]
+    # float64 tiles are twice the bytes: the 2-D case is over the L2 bound there (grouped-gemm).
+    for name, dtype in [("9x20,g3,1d", torch.float64), ("9x20,g3,1d", torch.bfloat16), ("16x16,g2,2d", torch.bfloat16)]:
+        cases.append(pytest.param(name, dtype, (True,) * 3, id=f"{name},{_dtype_name(dtype)}"))
+    for mask in ((True, False, False), (False, True, True)):
+        cases.append(pytest.param("9x20,g3,1d", torch.float32, mask, id=f"9x20,g3,1d,{_mask_name(mask)}"))
+    return cases
+
+
+@pytest.mark.parametrize("name,dtype,output_mask", _grouped_lanes_cases())
+def test_grouped_lanes_matches_original(name, dtype, output_mask):
+    """ResNeXt-like strided grouped layers: the grouped kernel's values (within twice native's error
+    against float64), None pattern, dtypes and strides."""
+    args = GROUPED_LANES[name].args(dtype, output_mask)
+    assert args.grad_output.numel() >= 1 << 20
+    assert compiled.layer_class(args) == "grouped-lanes"
+    aten_override.reset_stats()
+    ours = run_compiled(args)
+    assert_compiled_served("grouped-lanes")
+    assert_matches_original(args, ours)
+
+
+def test_grouped_lanes_deterministic_and_layouts():
+    """Bitwise the same again and with one thread; channels_last input gives native's strides."""
+    args = GROUPED_LANES["9x20,g3,1d"].args()
+    first = run_compiled(args)
+    for again in (run_compiled(args), run_compiled_on_one_thread(args)):
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+    cl = GROUPED_LANES["16x16,g2,2d"].args()
+    cl = dataclasses.replace(cl, input=cl.input.contiguous(memory_format=torch.channels_last))
+    assert compiled.layer_class(cl) == "grouped-lanes"
+    assert_matches_original(cl, run_compiled(cl))
+
+
+@pytest.mark.parametrize(
+    "c_in, c_out, groups, batch, spatial, stride, dtype, expected",
+    [
+        (32, 32, 2, 32, [64, 64], 1, torch.float32, "dense"),  # stride 1: native is as fast or faster
+        (132, 132, 2, 1, [40, 40], 1, torch.float32, "dense"),  # stride 1, over 64 channels a side
+        (32, 32, 2, 2, [64, 64], 2, torch.float32, "dense"),  # 2^16 grad_output elements
+        (32, 32, 2, 32, [64, 64], 2, torch.float16, "dense"),  # float16: not measured
+        (32, 32, 2, 32, [64, 64], 2, torch.float32, "grouped-lanes"),
+        (32, 32, 2, 8, [128, 128], 2, torch.float32, "grouped-gemm"),  # tiles over 1 MiB
+    ],
+    ids=["stride=1", "stride=1,gemm-sized", "small", "float16", "claimed", "large-planes"],
+)
+def test_grouped_lanes_routing(c_in, c_out, groups, batch, spatial, stride, dtype, expected):
+    """grouped-lanes (and grouped-gemm) take only strided grouped layers, large enough; the rest go to
+    native (the dense class), which was faster there."""
+    geometry = Geometry("k3", 3, stride=stride, padding=1)
+    layer = Layer("grouped-lanes", c_in, c_out, groups=groups)
+    args = make_args(layer, geometry, len(spatial), dtype, batch=batch, spatial=spatial)
+    assert compiled.layer_class(args) == expected
+
+
 def test_layer_class_table_matches_docs():
     names = [row[0] for row in compiled.LAYER_CLASSES]
     assert names == [
         "empty", "depthwise", "grouped", "one-channel", "small-planes", "dense", "transposed", "no-output-channels",
-        "pointwise", "grouped-gemm", "kn2row-3d", "im2col-3d", "kn2row", "dead-taps",
+        "pointwise", "grouped-gemm", "kn2row-3d", "im2col-3d", "kn2row", "dead-taps", "grouped-lanes",
     ]
     for name, kernel, _ in compiled.LAYER_CLASSES:
         assert f"{name} " in compiled.__doc__ and kernel in ("direct", "gemm", "zeros", "native", "upcast")
@@ -612,9 +715,12 @@ GEMM_CASES = {
     # 1x1 stride 1, small samples: folded (copies).
     "pointwise,folded": GemmCase("pointwise", 8, 6, (10, 10), (1, 1), (1, 1), (0, 0), batch=3, native="Mkldnn"),
     # (C_in / groups) * (C_out / groups) = 81 > 64: im2col per group, samples folded / whole / row chunks.
-    "grouped-gemm": GemmCase("grouped-gemm", 18, 18, (11, 12), (3, 3), (2, 2), (1, 1), groups=2),
-    "grouped-gemm,whole": GemmCase("grouped-gemm", 18, 18, (24, 25), (3, 3), (1, 1), (1, 1), groups=2),
-    "grouped-gemm,rows": GemmCase("grouped-gemm", 18, 18, (60, 61), (3, 3), (1, 1), (1, 1), groups=2, batch=1),
+    # 66 channels per group (over grouped-lanes' 64), stride 2; 66 * 10 rows of 4 bytes per column in a
+    # 1 MiB chunk: up to 397 columns. 6x6 output positions: samples folded; 15x16: one sample a chunk;
+    # 30x31: chunks of rows.
+    "grouped-gemm": GemmCase("grouped-gemm", 132, 132, (11, 12), (3, 3), (2, 2), (1, 1), groups=2),
+    "grouped-gemm,whole": GemmCase("grouped-gemm", 132, 132, (30, 32), (3, 3), (2, 2), (1, 1), groups=2),
+    "grouped-gemm,rows": GemmCase("grouped-gemm", 132, 132, (60, 61), (3, 3), (2, 2), (1, 1), groups=2, batch=1),
     # native picks Slow3d for float32 3-D with batch 1.
     "kn2row-3d": GemmCase("kn2row-3d", 4, 5, (6, 7, 8), (3, 1, 1), (1, 1, 1), (1, 0, 0), batch=1, native="Slow3d"),
     # float32 with a batch of 2 goes to oneDNN; from 2^18 grad_output elements kn2row-3d takes it too.
