@@ -226,6 +226,16 @@ def assert_compiled_served(layer_class: str, calls: int = 1) -> None:
     assert stats.get("compiled_layer_classes", {}) == {layer_class: calls}, stats
 
 
+def assert_class_serves_with_original_results(args: ConvolutionBackwardArgs, layer_class: str) -> None:
+    """``layer_class`` is the class of ``args``, the compiled backend serves the call through the
+    dispatcher with it, and the result matches the original kernel's (:func:`assert_matches_original`)."""
+    assert compiled.layer_class(args) == layer_class
+    aten_override.reset_stats()
+    ours = run_compiled(args)
+    assert_compiled_served(layer_class)
+    assert_matches_original(args, ours)
+
+
 # --- the matrix -----------------------------------------------------------------------------------
 
 
@@ -520,10 +530,7 @@ def test_depthwise_lanes_kernel_matches_original(name, geometry, dims, size, dty
         spatial=LANES_SPATIAL[size][dims],
     )
     assert compiled.depthwise_kernel(args) == "channels-in-lanes"
-    aten_override.reset_stats()
-    ours = run_compiled(args)
-    assert_compiled_served("depthwise")
-    assert_matches_original(args, ours)
+    assert_class_serves_with_original_results(args, "depthwise")
 
 
 def test_depthwise_kernel_choice():
@@ -621,11 +628,7 @@ def test_grouped_lanes_matches_original(name, dtype, output_mask):
     against float64), None pattern, dtypes and strides."""
     args = GROUPED_LANES[name].args(dtype, output_mask)
     assert args.grad_output.numel() >= 1 << 20
-    assert compiled.layer_class(args) == "grouped-lanes"
-    aten_override.reset_stats()
-    ours = run_compiled(args)
-    assert_compiled_served("grouped-lanes")
-    assert_matches_original(args, ours)
+    assert_class_serves_with_original_results(args, "grouped-lanes")
 
 
 def test_grouped_lanes_deterministic_and_layouts():
