@@ -736,28 +736,59 @@ void store_tiles(
   store_tiles_generic(src, pitch, index, positions, dst, lane_stride, lanes);
 }
 
-// acc[k] += sum over `count` positions j = j0 + i * step of gs[j] * xt[j + offset[k]], NT taps; all
-// indices in positions (L lanes each), offsets pre-scaled by L.
+// The positions the lanes kernels walk, in one list per walk rather than row by row (7x7 planes
+// have rows of 7): every grad_output position (its tap-0 position in the padded plane), and the
+// interior positions grouped by row class (Plane::class_taps: the taps that reach such a row).
+struct LanesWalk {
+  std::vector<int64_t> outputs;
+  std::vector<int64_t> inputs, input_begin;  // class c: inputs[input_begin[c] .. input_begin[c + 1])
+  std::vector<int64_t> class_taps, class_begin;
+};
+
+LanesWalk lanes_walk(const Plane& g) {
+  LanesWalk walk;
+  walk.outputs = output_positions(g);
+  const int64_t classes = g.stride_t * g.stride_h;
+  std::vector<std::vector<int64_t>> by_class(classes);
+  for (int64_t t = g.pad_t; t < g.pad_t + g.in_t; ++t) {
+    for (int64_t h = g.pad_h; h < g.pad_h + g.in_h; ++h) {
+      auto& list = by_class[(t % g.stride_t) * g.stride_h + h % g.stride_h];
+      for (int64_t w = 0; w < g.in_w; ++w) list.push_back(g.row(t, h) + g.pad_w + w);
+    }
+  }
+  walk.input_begin.push_back(0);
+  for (const auto& list : by_class) {
+    walk.inputs.insert(walk.inputs.end(), list.begin(), list.end());
+    walk.input_begin.push_back(static_cast<int64_t>(walk.inputs.size()));
+  }
+  walk.class_taps = g.class_taps;
+  walk.class_begin = g.class_begin;
+  return walk;
+}
+
+// acc[k] += sum over the positions j in pos[0 .. count) of gs[j] * xt[j + offset[k]], NT taps (one
+// vector each); positions count L lanes each, offsets are pre-scaled by L.
 template <int NT, typename acc_t>
 ATEN_OVERRIDE_INLINE void lanes_correlate_block(
-    acc_t* acc, const acc_t* gs, const acc_t* xt, const int64_t* offset, int64_t j0, int64_t step, int64_t count) {
+    acc_t* acc, const acc_t* gs, const acc_t* xt, const int64_t* offset, const int64_t* pos, int64_t count) {
   using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
   typename V::type sums[NT];
   for (int k = 0; k < NT; ++k) sums[k] = V::load(acc + k * L);
-  for (int64_t i = 0, j = j0 * L; i < count; ++i, j += step * L) {
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t j = pos[i] * L;
     const auto go = V::load(gs + j);
     for (int k = 0; k < NT; ++k) sums[k] += go * V::load(xt + j + offset[k]);
   }
   for (int k = 0; k < NT; ++k) V::store(acc + k * L, sums[k]);
 }
 
-// out[j] (= or +=) sum over NT taps of weight[taps[k]] * gs[j - offset[taps[k]]] for the `count`
-// positions j0 .. j0 + count; weight holds one vector (L channels) per tap.
+// out[j] (= or +=) sum over NT taps of weight[taps[k]] * gs[j - offset[taps[k]]] for the positions
+// j in pos[0 .. count); weight holds one vector (L channels) per tap.
 template <int NT, typename acc_t>
 ATEN_OVERRIDE_INLINE void lanes_gather_block(
     acc_t* out, const acc_t* gs, const acc_t* weight, const int64_t* offset, const int64_t* taps, bool accumulate,
-    int64_t j0, int64_t count) {
+    const int64_t* pos, int64_t count) {
   using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
   typename V::type wk[NT];
@@ -766,7 +797,8 @@ ATEN_OVERRIDE_INLINE void lanes_gather_block(
     wk[k] = V::load(weight + taps[k] * L);
     src[k] = gs - offset[taps[k]];
   }
-  for (int64_t j = j0 * L; j < (j0 + count) * L; j += L) {
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t j = pos[i] * L;
     typename V::type s = {};
     if (accumulate) s = V::load(out + j);
     for (int k = 0; k < NT; ++k) s += wk[k] * V::load(src[k] + j);
@@ -780,10 +812,11 @@ struct LanesCorrelateOp {
   const acc_t* gs;
   const acc_t* xt;
   const int64_t* offset;
-  int64_t j0, step, count;
+  const int64_t* pos;
+  int64_t count;
   template <int NT>
   ATEN_OVERRIDE_INLINE void run(int64_t first, int64_t) const {
-    lanes_correlate_block<NT>(acc + first * Vec<acc_t>::size, gs, xt, offset + first, j0, step, count);
+    lanes_correlate_block<NT>(acc + first * Vec<acc_t>::size, gs, xt, offset + first, pos, count);
   }
 };
 
@@ -795,80 +828,80 @@ struct LanesGatherOp {
   const int64_t* offset;
   const int64_t* taps;
   bool accumulate;
-  int64_t j0, count;
+  const int64_t* pos;
+  int64_t count;
   template <int NT>
   ATEN_OVERRIDE_INLINE void run(int64_t first, int64_t index) const {
-    lanes_gather_block<NT>(out, gs, weight, offset, taps + first, accumulate || index > 0, j0, count);
+    lanes_gather_block<NT>(out, gs, weight, offset, taps + first, accumulate || index > 0, pos, count);
   }
 };
 
-// One grad_output tile (gs, from its margin) against the input tile xt: acc (one vector per tap) +=
-// grad_weight, bias (one vector, or null) += grad_bias. `offset` is the Plane's, scaled by L.
+// One grad_output tile (gs, from its margin) against the input tile xt: acc (one vector per tap, or
+// null) += grad_weight, bias (one vector, or null) += grad_bias. `offset` is the Plane's, scaled by L.
 template <typename acc_t>
 ATEN_OVERRIDE_INLINE void lanes_correlate_plane(
-    const Plane& g, const int64_t* offset, acc_t* acc, acc_t* bias, const acc_t* gs, const acc_t* xt) {
+    const LanesWalk& walk, int64_t taps, const int64_t* offset, acc_t* acc, acc_t* bias, const acc_t* gs,
+    const acc_t* xt) {
   using V = Vec<acc_t>;
-  typename V::type b = {};
-  for (int64_t t = 0; t < g.out_t; ++t) {
-    for (int64_t h = 0; h < g.out_h; ++h) {
-      const int64_t j0 = g.out_row(t, h);
-      if (acc) for_tap_blocks(g.taps, LanesCorrelateOp<acc_t>{acc, gs, xt, offset, j0, g.stride_w, g.out_w});
-      if (bias) {
-        for (int64_t w = 0; w < g.out_w; ++w) b += V::load(gs + (j0 + w * g.stride_w) * V::size);
-      }
-    }
+  const int64_t count = static_cast<int64_t>(walk.outputs.size());
+  if (acc) for_tap_blocks(taps, LanesCorrelateOp<acc_t>{acc, gs, xt, offset, walk.outputs.data(), count});
+  if (bias) {
+    typename V::type b = V::load(bias);
+    for (int64_t i = 0; i < count; ++i) b += V::load(gs + walk.outputs[i] * V::size);
+    V::store(bias, b);
   }
-  if (bias) V::store(bias, V::load(bias) + b);
 }
 
 // The grad_input tile (interior positions) of one grad_output tile: out (= or +=) the gather over
-// each row's taps (those whose rows of gs are not all gaps); `weight` one vector per tap.
+// each row class's taps (those whose rows of gs are not all gaps); `weight` one vector per tap.
 template <typename acc_t>
 ATEN_OVERRIDE_INLINE void lanes_gather_plane(
-    const Plane& g, const int64_t* offset, acc_t* out, const acc_t* gs, const acc_t* weight, bool accumulate) {
-  for (int64_t t = g.pad_t; t < g.pad_t + g.in_t; ++t) {
-    for (int64_t h = g.pad_h; h < g.pad_h + g.in_h; ++h) {
-      const int64_t cls = (t % g.stride_t) * g.stride_h + h % g.stride_h;
-      const int64_t begin = g.class_begin[cls], count = g.class_begin[cls + 1] - begin;
-      const int64_t j0 = g.row(t, h) + g.pad_w;
-      if (count == 0) {
-        if (!accumulate) std::fill(out + j0 * Vec<acc_t>::size, out + (j0 + g.in_w) * Vec<acc_t>::size, acc_t(0));
-        continue;
-      }
-      for_tap_blocks(
-          count, LanesGatherOp<acc_t>{out, gs, weight, offset, g.class_taps.data() + begin, accumulate, j0, g.in_w});
+    const LanesWalk& walk, const int64_t* offset, acc_t* out, const acc_t* gs, const acc_t* weight, bool accumulate) {
+  constexpr int64_t L = Vec<acc_t>::size;
+  for (size_t c = 0; c + 1 < walk.class_begin.size(); ++c) {
+    const int64_t begin = walk.class_begin[c], ntaps = walk.class_begin[c + 1] - begin;
+    const int64_t* pos = walk.inputs.data() + walk.input_begin[c];
+    const int64_t count = walk.input_begin[c + 1] - walk.input_begin[c];
+    if (ntaps == 0) {
+      for (int64_t i = 0; i < count && !accumulate; ++i) std::fill(out + pos[i] * L, out + (pos[i] + 1) * L, acc_t(0));
+      continue;
     }
+    for_tap_blocks(
+        ntaps, LanesGatherOp<acc_t>{out, gs, weight, offset, walk.class_taps.data() + begin, accumulate, pos, count});
   }
 }
 
 ATEN_OVERRIDE_CLONES void lanes_correlate_f(
-    const Plane& g, const int64_t* o, float* acc, float* bias, const float* gs, const float* xt) {
-  lanes_correlate_plane(g, o, acc, bias, gs, xt);
+    const LanesWalk& walk, int64_t taps, const int64_t* o, float* acc, float* bias, const float* gs, const float* xt) {
+  lanes_correlate_plane(walk, taps, o, acc, bias, gs, xt);
 }
 ATEN_OVERRIDE_CLONES void lanes_correlate_d(
-    const Plane& g, const int64_t* o, double* acc, double* bias, const double* gs, const double* xt) {
-  lanes_correlate_plane(g, o, acc, bias, gs, xt);
+    const LanesWalk& walk, int64_t taps, const int64_t* o, double* acc, double* bias, const double* gs,
+    const double* xt) {
+  lanes_correlate_plane(walk, taps, o, acc, bias, gs, xt);
 }
 ATEN_OVERRIDE_CLONES void lanes_gather_f(
-    const Plane& g, const int64_t* o, float* out, const float* gs, const float* w, bool accumulate) {
-  lanes_gather_plane(g, o, out, gs, w, accumulate);
+    const LanesWalk& walk, const int64_t* o, float* out, const float* gs, const float* w, bool accumulate) {
+  lanes_gather_plane(walk, o, out, gs, w, accumulate);
 }
 ATEN_OVERRIDE_CLONES void lanes_gather_d(
-    const Plane& g, const int64_t* o, double* out, const double* gs, const double* w, bool accumulate) {
-  lanes_gather_plane(g, o, out, gs, w, accumulate);
-}
-inline void lanes_correlate(const Plane& g, const int64_t* o, float* a, float* b, const float* gs, const float* xt) {
-  lanes_correlate_f(g, o, a, b, gs, xt);
+    const LanesWalk& walk, const int64_t* o, double* out, const double* gs, const double* w, bool accumulate) {
+  lanes_gather_plane(walk, o, out, gs, w, accumulate);
 }
 inline void lanes_correlate(
-    const Plane& g, const int64_t* o, double* a, double* b, const double* gs, const double* xt) {
-  lanes_correlate_d(g, o, a, b, gs, xt);
+    const LanesWalk& walk, int64_t taps, const int64_t* o, float* a, float* b, const float* gs, const float* xt) {
+  lanes_correlate_f(walk, taps, o, a, b, gs, xt);
 }
-inline void lanes_gather(const Plane& g, const int64_t* o, float* out, const float* gs, const float* w, bool acc) {
-  lanes_gather_f(g, o, out, gs, w, acc);
+inline void lanes_correlate(
+    const LanesWalk& walk, int64_t taps, const int64_t* o, double* a, double* b, const double* gs, const double* xt) {
+  lanes_correlate_d(walk, taps, o, a, b, gs, xt);
 }
-inline void lanes_gather(const Plane& g, const int64_t* o, double* out, const double* gs, const double* w, bool acc) {
-  lanes_gather_d(g, o, out, gs, w, acc);
+inline void lanes_gather(const LanesWalk& walk, const int64_t* o, float* out, const float* gs, const float* w, bool acc) {
+  lanes_gather_f(walk, o, out, gs, w, acc);
+}
+inline void lanes_gather(
+    const LanesWalk& walk, const int64_t* o, double* out, const double* gs, const double* w, bool acc) {
+  lanes_gather_d(walk, o, out, gs, w, acc);
 }
 
 // Largest input plane, and strided: largest grad_output plane, the channels-in-lanes kernel takes.
@@ -908,6 +941,7 @@ void depthwise_lanes_impl(
   const int64_t in_plane = p.in[0] * p.in[1] * p.in[2], out_plane = p.out[0] * p.out[1] * p.out[2];
   const int64_t per_channel = multiplier * g.taps;
   const std::vector<int64_t> in_pos = input_positions(g), out_pos = output_positions(g);
+  const LanesWalk walk = lanes_walk(g);
   std::vector<int64_t> offset(g.offset);
   for (auto& o : offset) o *= L;
   const bool by_channel = gw || gb;
@@ -959,9 +993,9 @@ void depthwise_lanes_impl(
                 go + ((n * channels + c0) * multiplier + q) * out_plane, multiplier * out_plane, lanes, out_pos.data(),
                 out_plane, spread);
             lanes_correlate(
-                g, offset.data(), gw ? acc.data() + q * g.taps * L : nullptr, gb ? bias.data() + q * L : nullptr,
-                spread, xt.data());
-            if (gi) lanes_gather(g, offset.data(), gp.data(), spread, weight.data() + q * g.taps * L, q > 0);
+                walk, g.taps, offset.data(), gw ? acc.data() + q * g.taps * L : nullptr,
+                gb ? bias.data() + q * L : nullptr, spread, xt.data());
+            if (gi) lanes_gather(walk, offset.data(), gp.data(), spread, weight.data() + q * g.taps * L, q > 0);
           }
           if (gi) {
             scalar_t* out = gi + (n * channels + c0) * in_plane;
