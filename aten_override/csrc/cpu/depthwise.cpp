@@ -766,21 +766,30 @@ LanesWalk lanes_walk(const Plane& g) {
   return walk;
 }
 
+// Positions a running float32 sum covers before it is added into the sample's grad_weight /
+// grad_bias sums (both lanes kernels). One running sum over a strided 1-D plane's 1,024 positions
+// of mean-1 data measured 7-12 eps of grad_weight against native's 1.2; in chunks 1.2-2.4 eps
+// (tests/ops/convolution_backward/test_compiled_adversarial.py).
+constexpr int64_t kLanesChunk = 32;
+
 // acc[k] += sum over the positions j in pos[0 .. count) of gs[j] * xt[j + offset[k]], NT taps (one
-// vector each); positions count L lanes each, offsets are pre-scaled by L.
+// vector each), kLanesChunk positions at a time; positions count L lanes each, offsets are
+// pre-scaled by L.
 template <int NT, typename acc_t>
 ATEN_OVERRIDE_INLINE void lanes_correlate_block(
     acc_t* acc, const acc_t* gs, const acc_t* xt, const int64_t* offset, const int64_t* pos, int64_t count) {
   using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
-  typename V::type sums[NT];
-  for (int k = 0; k < NT; ++k) sums[k] = V::load(acc + k * L);
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t j = pos[i] * L;
-    const auto go = V::load(gs + j);
-    for (int k = 0; k < NT; ++k) sums[k] += go * V::load(xt + j + offset[k]);
+  for (int64_t i0 = 0; i0 < count; i0 += kLanesChunk) {
+    typename V::type sums[NT];
+    for (int k = 0; k < NT; ++k) sums[k] = typename V::type{};
+    for (int64_t i = i0; i < std::min(count, i0 + kLanesChunk); ++i) {
+      const int64_t j = pos[i] * L;
+      const auto go = V::load(gs + j);
+      for (int k = 0; k < NT; ++k) sums[k] += go * V::load(xt + j + offset[k]);
+    }
+    for (int k = 0; k < NT; ++k) V::store(acc + k * L, V::load(acc + k * L) + sums[k]);
   }
-  for (int k = 0; k < NT; ++k) V::store(acc + k * L, sums[k]);
 }
 
 // out[j] (= or +=) sum over NT taps of weight[taps[k]] * gs[j - offset[taps[k]]] for the positions
@@ -845,10 +854,10 @@ ATEN_OVERRIDE_INLINE void lanes_correlate_plane(
   using V = Vec<acc_t>;
   const int64_t count = static_cast<int64_t>(walk.outputs.size());
   if (acc) for_tap_blocks(taps, LanesCorrelateOp<acc_t>{acc, gs, xt, offset, walk.outputs.data(), count});
-  if (bias) {
-    typename V::type b = V::load(bias);
-    for (int64_t i = 0; i < count; ++i) b += V::load(gs + walk.outputs[i] * V::size);
-    V::store(bias, b);
+  for (int64_t i0 = 0; bias && i0 < count; i0 += kLanesChunk) {
+    typename V::type b = {};
+    for (int64_t i = i0; i < std::min(count, i0 + kLanesChunk); ++i) b += V::load(gs + walk.outputs[i] * V::size);
+    V::store(bias, V::load(bias) + b);
   }
 }
 
@@ -1091,22 +1100,25 @@ ATEN_OVERRIDE_INLINE void grouped_gather_block(
 }
 
 // acc[r] (NB vectors of output channels) += sum over the output positions opos[0 .. count) of
-// gs[j][v .. v + L) * xt[j * ci_pad + xoff[r]] (xoff: offset[k] * ci_pad + ci of pair r).
+// gs[j][v .. v + L) * xt[j * ci_pad + xoff[r]] (xoff: offset[k] * ci_pad + ci of pair r),
+// kLanesChunk positions at a time.
 template <int NB, typename acc_t>
 ATEN_OVERRIDE_INLINE void grouped_correlate_block(
     acc_t* acc, const acc_t* gs, const acc_t* xt, const int64_t* xoff, const int64_t* opos, int64_t count,
     int64_t co_pad, int64_t ci_pad, int64_t v) {
   using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
-  typename V::type sums[NB];
-  for (int r = 0; r < NB; ++r) sums[r] = V::load(acc + r * L);
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t j = opos[i];
-    const auto go = V::load(gs + j * co_pad + v);
-    const acc_t* x = xt + j * ci_pad;
-    for (int r = 0; r < NB; ++r) sums[r] += go * x[xoff[r]];
+  for (int64_t i0 = 0; i0 < count; i0 += kLanesChunk) {
+    typename V::type sums[NB];
+    for (int r = 0; r < NB; ++r) sums[r] = typename V::type{};
+    for (int64_t i = i0; i < std::min(count, i0 + kLanesChunk); ++i) {
+      const int64_t j = opos[i];
+      const auto go = V::load(gs + j * co_pad + v);
+      const acc_t* x = xt + j * ci_pad;
+      for (int r = 0; r < NB; ++r) sums[r] += go * x[xoff[r]];
+    }
+    for (int r = 0; r < NB; ++r) V::store(acc + r * L, V::load(acc + r * L) + sums[r]);
   }
-  for (int r = 0; r < NB; ++r) V::store(acc + r * L, sums[r]);
 }
 
 template <typename acc_t>
