@@ -4,7 +4,9 @@ Reads the layer suite from ``scripts/shapes.json`` (the project's benchmark data
 the cases marked ``"quick"``), checks every backend's result against native, then times them
 *interleaved* in one process with ``torch.utils.benchmark`` at a fixed thread count and prints a
 table (and ``--csv FILE``): per layer the median ms, the ratio to native, achieved GFLOP/s, % of the
-roofline and the peak memory each call allocates.
+roofline and the peak memory each call allocates. The ratio is the median over the rounds of each
+round's ratio (a backend's time over native's in the same round), so that the machine speeding up
+or slowing down between rounds (a shared VM) cancels out.
 
 Roofline: ``time >= max(flops / peak_flops, bytes / bandwidth)`` with ``flops`` = 4 x the forward
 multiply-adds (grad_input and grad_weight) and ``bytes`` = one pass over grad_output, input, weight
@@ -146,15 +148,21 @@ def peak_bytes(fn) -> int:
     return max(total for _, _, total in events) - base
 
 
-def time_interleaved(backends, args, rounds: int, min_run_time: float) -> dict[str, float]:
-    """Median seconds per call of each backend, the backends alternating round by round."""
+def time_interleaved(backends, args, rounds: int, min_run_time: float) -> tuple[dict[str, float], dict[str, float]]:
+    """(median seconds per call of each backend, median over the rounds of its time / native's time
+    in the same round), the backends alternating within each round, in reverse order every other
+    round (the second backend of a round measured up to 10% slower on identical work)."""
     samples = {b: [] for b in backends}
-    for _ in range(rounds):
-        for b in backends:
+    for r in range(rounds):
+        for b in backends if r % 2 == 0 else backends[::-1]:
             # Timer runs at num_threads=1 unless told: time at the thread count main() set.
             t = benchmark.Timer("call(b, args)", globals={"call": call, "b": b, "args": args}, num_threads=torch.get_num_threads())
             samples[b].append(t.blocked_autorange(min_run_time=min_run_time).median)
-    return {b: statistics.median(v) for b, v in samples.items()}
+    ratios = {
+        b: statistics.median(x / n for x, n in zip(samples[b], samples["native"])) if "native" in samples else float("nan")
+        for b in backends
+    }
+    return {b: statistics.median(v) for b, v in samples.items()}, ratios
 
 
 def main(argv=None) -> int:
@@ -213,7 +221,7 @@ def main(argv=None) -> int:
                     problem = check(case, b, call(b, case.args), ref)
                     if problem:
                         raise SystemExit(f"{case.name} {dtype} {b}: result differs from native: {problem}")
-            times = time_interleaved(backends, case.args, args.rounds, args.min_run_time)
+            times, ratios = time_interleaved(backends, case.args, args.rounds, args.min_run_time)
             if args.peak_gflops:
                 peak = args.peak_gflops * 1e9
             else:
@@ -228,7 +236,7 @@ def main(argv=None) -> int:
                     {
                         "case": case.name, "class": case.cls, "dtype": str(dtype).replace("torch.", ""),
                         "backend": b, "compiled_class": layer_class, "ms": times[b] * 1e3,
-                        "ratio": times[b] / times["native"] if "native" in times else float("nan"),
+                        "ratio": ratios[b],
                         "gflops": case.flops / times[b] / 1e9, "roofline_pct": 100 * roof / times[b],
                         "peak_mb": mem / 2**20,
                     }
