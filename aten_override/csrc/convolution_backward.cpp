@@ -120,7 +120,7 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "(C_out / groups) > 64, some stride > 1, at least 2^20 grad_output elements, each group's tiles within "
      "L2 (ResNeXt's stride-2 layers): native's oneDNN reaches 8-12% of peak there and im2col + GEMM (K = "
      "C_out / groups) is memory-bound on its columns; each group's planes are transposed to [position][channel] "
-     "tiles and both gradients computed from them, no columns (cpu/depthwise.cpp): measured 0.4-0.6x native"},
+     "tiles and both gradients computed from them, no columns (cpu/grouped.cpp): measured 0.4-0.6x native"},
 };
 static_assert(sizeof(kLayerClasses) / sizeof(kLayerClasses[0]) == static_cast<size_t>(LayerClass::Count));
 

@@ -76,7 +76,7 @@ void depthwise_backward_cpu(
     const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     at::Tensor* grad_input, at::Tensor* grad_weight, at::Tensor* grad_bias);
 
-// The grouped kernel (cpu/depthwise.cpp, sharing the channels-in-lanes tiles): groups > 1 with 2 to 64
+// The grouped kernel (cpu/grouped.cpp, on the channels-in-lanes tiles of cpu/fused.h): groups > 1 with 2 to 64
 // channels per group on each side, where grouped_lanes_applies() (its tiles fit L2). grad_input /
 // grad_weight as for the direct kernel, each computed when its pointer is not null; grad_bias is the
 // caller's. No columns: both gradients straight from [position][channel] tiles of each group.

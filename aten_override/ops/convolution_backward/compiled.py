@@ -57,7 +57,7 @@ grouped-lanes        direct   float32/float64/bfloat16, more than 64 channel pai
                               channels on each side, some stride > 1, at least 2^20 grad_output
                               elements (ResNeXt's stride-2 layers; fewer or stride 1: dense): each
                               group's planes transposed to [position][channel] tiles, both gradients
-                              from them without im2col columns (``csrc/cpu/depthwise.cpp``)
+                              from them without im2col columns (``csrc/cpu/grouped.cpp``)
 ==================== ======== =================================================================
 
 "native" is a deliberate choice, not a fallback: the call is counted as served by the compiled
