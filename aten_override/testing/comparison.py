@@ -13,6 +13,11 @@ The contract checked, output by output (``grad_input``, ``grad_weight``, ``grad_
   dtype: a reduced-precision backend may be as wrong as ATen's own kernel, twice over, plus a few
   ulps of the result's scale. In float64 ``native`` is ``ref`` and this is a tight ``rtol``.
   (Tolerance relative to PyTorch's own error, as Dao-AILab/flash-attention's tests define it.)
+  Module training steps (:mod:`.suite.test_modules`) apply the same rule to input grads, parameter
+  grads and updated parameters, ``native`` the step run natively and ``ref`` the step in float64.
+
+Every value comparison of the shipped suite goes through :func:`assert_close_to_reference`
+(:func:`check_tensor` adds the exact dtype, shape and stride checks).
 
 Nothing here touches the dispatcher except through :func:`aten_override.enable`.
 """
@@ -24,6 +29,7 @@ import unittest
 from collections.abc import Sequence
 
 import torch
+import torch.utils.deterministic
 
 from .. import original_kernel, reset_stats, stats as backend_stats
 from ..backends import ATEN_IMPL, Implementation
@@ -33,12 +39,15 @@ from .skips import SKIPS
 
 __all__ = [
     "OUTPUT_NAMES",
+    "assert_close_to_reference",
     "call_backend",
     "call_native",
     "expected_server",
     "check_against_native",
+    "check_tensor",
     "float64_reference",
     "served_by",
+    "uninitialized_memory_filled",
 ]
 
 OUTPUT_NAMES = ("grad_input", "grad_weight", "grad_bias")
@@ -63,9 +72,30 @@ def float64_reference(aten_args: Sequence):
 
 def call_backend(impl: Implementation, aten_args: Sequence):
     """``torch.ops.aten.convolution_backward.default(*aten_args)`` with ``impl`` enabled: through
-    the dispatcher, as a model's backward reaches it."""
-    with enable(impl):
+    the dispatcher, as a model's backward reaches it, with :func:`uninitialized_memory_filled` (an
+    output the backend leaves partly unwritten reads NaN, whatever the allocator had there)."""
+    with uninitialized_memory_filled(), enable(impl):
         return tuple(_OP(*aten_args))
+
+
+@contextlib.contextmanager
+def uninitialized_memory_filled():
+    """Within the block ``torch.empty`` and every ATen allocation of uninitialised memory are filled
+    with NaN (integers: their largest value): ``torch.use_deterministic_algorithms(True,
+    warn_only=True)`` with ``torch.utils.deterministic.fill_uninitialized_memory``. Upstream's
+    own switch for catching reads of uninitialised memory; the previous settings are restored."""
+    previous = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        torch.utils.deterministic.fill_uninitialized_memory = previous[2]
 
 
 def expected_server(impl: Implementation, aten_args: Sequence) -> tuple[str, str | None]:
@@ -110,20 +140,76 @@ def significant_strides(t: torch.Tensor) -> tuple[tuple[int, int], ...]:
     return tuple((d, s) for d, (n, s) in enumerate(zip(t.shape, t.stride())) if n > 1)
 
 
+def check_tensor(
+    actual, native: torch.Tensor, reference: torch.Tensor | None = None, *, where: str = "",
+) -> None:
+    """Assert one tensor ``actual`` matches ``native`` (the original kernel's, or a native step's, in
+    the tested dtype) as the module docstring describes: exactly the same dtype, shape, device and
+    strides of every dim of size > 1; values within the rule of :func:`assert_close_to_reference`.
+
+    Raises:
+        AssertionError: naming ``where`` and what differs.
+    """
+    if not isinstance(actual, torch.Tensor):
+        raise AssertionError(f"{where}: expected a tensor, got {actual!r:.80}")
+    if actual.dtype != native.dtype:
+        raise AssertionError(f"{where}: dtype {actual.dtype}, original kernel gives {native.dtype}")
+    if actual.shape != native.shape:
+        raise AssertionError(f"{where}: shape {list(actual.shape)}, original kernel gives {list(native.shape)}")
+    if actual.device != native.device:
+        raise AssertionError(f"{where}: device {actual.device}, original kernel gives {native.device}")
+    if significant_strides(actual) != significant_strides(native):
+        raise AssertionError(
+            f"{where}: strides {actual.stride()}, original kernel gives {native.stride()} (shape {list(native.shape)})"
+        )
+    assert_close_to_reference(actual, native, reference, where=where)
+
+
+def assert_close_to_reference(
+    actual: torch.Tensor, native: torch.Tensor, reference: torch.Tensor | None = None, *, where: str = "",
+) -> None:
+    """Assert ``max |actual - ref| <= 2 * max |native - ref| + rtol(dtype) * max(1, max |ref|)``.
+
+    ``reference`` (``ref``) is the float64 result (:func:`float64_reference`, or a step run in
+    float64); ``None`` when the call was float64 already, and then ``native`` is ``ref``. ``native``
+    is the original kernel's result in ``actual``'s dtype: a backend may be as far from float64 as
+    ATen itself, twice over, plus a few ulps of the result's scale (``rtol`` of
+    ``torch.testing.assert_close``'s defaults for the dtype). Shapes must agree; dtypes and strides
+    are not looked at (:func:`check_tensor` does).
+
+    Raises:
+        AssertionError: ``torch.testing.assert_close``'s report, the bound and ``where``.
+    """
+    if actual.numel() == 0:
+        return
+    r = (native if reference is None else reference).double()
+    native_error = (native.double() - r).abs().max().item()
+    scale = max(1.0, r.abs().max().item())
+    atol = 2 * native_error + _RTOL.get(actual.dtype, 1e-7) * scale
+    torch.testing.assert_close(
+        actual.double(),
+        r,
+        rtol=0,
+        atol=atol,
+        msg=lambda m: f"{where}: {m}\n(bound: 2 x original kernel's error {native_error:.3g} vs float64 "
+        f"+ rtol x scale {scale:.3g}; dtype {actual.dtype})",
+    )
+
+
 def check_against_native(
     actual: Sequence, native: Sequence, reference: Sequence | None = None, *,
     output_mask: Sequence[bool] = (True, True, True), where: str = "", masked_must_be_none: bool = True,
 ) -> None:
     """Assert ``actual`` (a backend's 3 outputs) matches ``native`` (the original kernel's) as the
-    module docstring describes. ``reference`` is :func:`float64_reference`'s result; ``None`` when
-    the call was float64 already. Masked-out outputs must be ``None`` unless
-    ``masked_must_be_none`` is False (for the original kernel itself: its oneDNN path returns a
-    ``grad_weight`` for ``output_mask=[*, False, True]``).
+    module docstring describes (:func:`check_tensor` per output). ``reference`` is
+    :func:`float64_reference`'s result; ``None`` when the call was float64 already. Masked-out
+    outputs must be ``None`` unless ``masked_must_be_none`` is False (for the original kernel
+    itself: its oneDNN path returns a ``grad_weight`` for ``output_mask=[*, False, True]``).
 
     Raises:
         AssertionError: naming the output (``grad_weight``), what differs and ``where``.
     """
-    reference = native if reference is None else reference
+    reference = (None, None, None) if reference is None else reference
     if len(actual) != 3:
         raise AssertionError(f"{where}: expected 3 outputs, got {len(actual)}")
     for name, wanted, a, n, r in zip(OUTPUT_NAMES, output_mask, actual, native, reference):
@@ -134,30 +220,7 @@ def check_against_native(
             continue
         if not isinstance(a, torch.Tensor):
             raise AssertionError(f"{prefix}: output_mask asks for it, got {a!r:.80}")
-        if a.dtype != n.dtype:
-            raise AssertionError(f"{prefix}: dtype {a.dtype}, original kernel gives {n.dtype}")
-        if a.shape != n.shape:
-            raise AssertionError(f"{prefix}: shape {list(a.shape)}, original kernel gives {list(n.shape)}")
-        if a.device != n.device:
-            raise AssertionError(f"{prefix}: device {a.device}, original kernel gives {n.device}")
-        if significant_strides(a) != significant_strides(n):
-            raise AssertionError(
-                f"{prefix}: strides {a.stride()}, original kernel gives {n.stride()} (shape {list(n.shape)})"
-            )
-        if a.numel() == 0:
-            continue
-        r = r.double()
-        native_error = (n.double() - r).abs().max().item()
-        scale = max(1.0, r.abs().max().item())
-        atol = 2 * native_error + _RTOL.get(a.dtype, 1e-7) * scale
-        torch.testing.assert_close(
-            a.double(),
-            r,
-            rtol=0,
-            atol=atol,
-            msg=lambda m: f"{prefix}: {m}\n(bound: 2 x original kernel's error {native_error:.3g} vs float64 "
-            f"+ rtol x scale {scale:.3g}; dtype {a.dtype})",
-        )
+        check_tensor(a, n, r, where=prefix)
 
 
 def compare_with_native(impl: Implementation, aten_args: Sequence, *, where: str = "") -> None:

@@ -43,3 +43,19 @@ def test_masked_outputs_are_not_compared():
     args = _args()
     native = call_native(args)
     check_against_native((None, native[1], None), native, output_mask=(False, True, False))
+
+
+def test_a_reordered_sum_passes_and_a_dropped_summand_does_not():
+    # issue #10: a correct kernel summing in another order than oneDNN's differs from native by a few
+    # ulps; the bound is relative to native's own error vs float64, not assert_close's defaults.
+    from aten_override.testing.comparison import assert_close_to_reference
+
+    g = torch.Generator().manual_seed(0)
+    terms = torch.randn(540, 64, generator=g, dtype=torch.float64)
+    reference = terms.sum(1)
+    native = terms.float().sum(1)
+    reordered = terms.float().flip(1).cumsum(1)[:, -1]  # sequential, in the other order
+    assert (reordered != native).any()
+    assert_close_to_reference(reordered, native, reference)
+    with pytest.raises(AssertionError, match="bound: 2 x original kernel's error"):
+        assert_close_to_reference(reordered - terms[:, 0].float() * 1e-3, native, reference)
