@@ -1,12 +1,27 @@
-"""Comparison helpers: results of a backend vs the original ATen kernel (values, dtypes, shapes, strides)."""
+"""Comparison helpers: results of a backend vs the original ATen kernel (values, dtypes, shapes, strides);
+running ``python -m aten_override test`` from the checkout."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import torch
 
 import aten_override
 
 REDUCED = (torch.float16, torch.bfloat16)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_test_cli(*argv, cwd, timeout=600) -> subprocess.CompletedProcess:
+    """``python -m aten_override test *argv`` in a fresh interpreter that imports this checkout."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    return subprocess.run(
+        [sys.executable, "-m", "aten_override", "test", *argv],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+    )
 
 
 def run_original(*aten_args):
