@@ -19,7 +19,7 @@ Every run first tries :func:`layout_cases` (hypothesis explicit examples): one c
 format that changes the layout of upstream's outputs (channels_last / channels_last_3d ``input`` or
 ``weight``, regular and transposed) and per degenerate ``grad_output`` (expanded, empty batch). Random
 draws hit a channels_last output in only about 1 call in 7, so a layout bug must not depend on the
-seed to be found.
+seed to be found. Then :func:`value_cases`: values and sizes the small random draws never reach.
 
 Settings profiles (:func:`fuzz_settings`): ``aten_override-ci`` runs :data:`CI_EXAMPLES` examples,
 derandomized (a CI run is reproducible); with the environment variable :data:`FUZZ_ENV` set to N
@@ -49,6 +49,7 @@ __all__ = [
     "convolution_backward_cases",
     "fuzz_settings",
     "layout_cases",
+    "value_cases",
 ]
 
 CI_EXAMPLES = 100
@@ -76,11 +77,13 @@ class TensorRecipe:
 
     ``layout``: ``contiguous``; ``channels_last`` (``channels_last_3d`` for 5-D); ``noncontiguous``
     (every other element of a twice-as-wide last dim); ``expanded_batch`` / ``expanded_spatial``
-    (a stride-0 broadcast over the batch / the spatial dims).
+    (a stride-0 broadcast over the batch / the spatial dims). ``scale``: the standard deviation of
+    the values (``randn * scale``).
     """
 
     shape: tuple[int, ...]
     layout: str = "contiguous"
+    scale: float = 1.0
 
     def source(self, name: str, dtype: torch.dtype, device: str) -> str:
         shape = list(self.shape)
@@ -98,8 +101,9 @@ class TensorRecipe:
         elif self.layout == "channels_last":
             fmt = "channels_last" if len(shape) == 4 else "channels_last_3d"
             suffix = f".contiguous(memory_format=torch.{fmt})"
+        scaled = "" if self.scale == 1 else f".mul({self.scale!r})"
         return (
-            f"{name} = torch.randn({base}, generator=g, dtype=torch.float64)"
+            f"{name} = torch.randn({base}, generator=g, dtype=torch.float64){scaled}"
             f".to(device={device!r}, dtype={dtype}){suffix}"
         )
 
@@ -218,6 +222,23 @@ def layout_cases(device: str = "cpu") -> list[ConvolutionBackwardCase]:
         # 2-D, empty batch: zeros of the right shapes
         case(TensorRecipe((0, 4, 3, 3)), TensorRecipe((0, 2, 3, 3)), TensorRecipe((4, 2, 3, 3)),
              stride=[1, 1], padding=[1, 1], dilation=[1, 1], bias_sizes=[4]),
+    ]
+
+
+def value_cases(device: str = "cpu") -> list[ConvolutionBackwardCase]:
+    """Fixed calls every fuzz run tries after :func:`layout_cases`, for bugs the small random draws
+    cannot show: a long reduction in bfloat16 with values beyond float16's range. ``grad_output``
+    ``(2, 4, 32, 32)`` is one value per sample and channel (standard deviation 1e4) broadcast over
+    space, as the gradient of a mean pool is: a running sum in bfloat16 stalls once it is 256 times
+    the summand (``grad_bias`` off by most of its value), and bfloat16 computed in float16 overflows
+    past 65504."""
+    return [
+        ConvolutionBackwardCase(
+            grad_output=TensorRecipe((2, 4, 32, 32), "expanded_spatial", scale=1e4), input=TensorRecipe((2, 3, 34, 34)),
+            weight=TensorRecipe((4, 3, 3, 3)), bias_sizes=[4], stride=[1, 1], padding=[0, 0], dilation=[1, 1],
+            transposed=False, output_padding=[0, 0], groups=1, output_mask=[True, True, True],
+            dtype=torch.bfloat16, device=device, seed=0,
+        ),
     ]
 
 

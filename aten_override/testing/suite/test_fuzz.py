@@ -9,7 +9,7 @@ from hypothesis import example, given, note
 
 from aten_override.testing._upstream import TestCase, instantiate_device_type_tests, parametrize
 from aten_override.testing.comparison import compare_with_native, expected_server, served_by
-from aten_override.testing.fuzz import convolution_backward_cases, fuzz_settings, layout_cases
+from aten_override.testing.fuzz import convolution_backward_cases, fuzz_settings, layout_cases, value_cases
 from aten_override.testing.selection import backends_under_test, test_name
 
 BACKENDS = backends_under_test()
@@ -26,8 +26,8 @@ class TestConvolutionBackwardFuzz(TestCase):
             with served_by(backend, {server: 1}):
                 compare_with_native(backend, aten_args)
 
-        # The layout cases first, whatever the seed; then the random draws.
-        for case in reversed(layout_cases(device)):
+        # The fixed cases first, whatever the seed; then the random draws.
+        for case in reversed(layout_cases(device) + value_cases(device)):
             check = example(case=case)(check)
         fuzz_settings()(given(case=convolution_backward_cases(device))(check))()
 
