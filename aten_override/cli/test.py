@@ -7,16 +7,19 @@ r"""``test``: run the shipped test suite against a backend, yours included.
     python -m aten_override test --backend my_pkg.conv:backward   # your function, aten signature
     python -m aten_override test --fuzz 5000              # only the fuzzer, 5000 examples
     python -m aten_override test --fuzz 5000 --seed 7     # the same 5000 examples every run
+    python -m aten_override test --backend a:f --backend b:g --report out.json   # outcomes as JSON
 
 Runs :mod:`aten_override.testing.suite` (from wherever the package is installed) with
 ``pytest.main`` and ends with a table per backend: passed / failed / skipped, and the skip
-reasons. Exit status: pytest's (0 when everything passed).
+reasons (``--report FILE``: every test's outcome per backend, as JSON). Exit status: pytest's (0
+when everything passed).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 
@@ -43,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k expression selecting tests")
     parser.add_argument("--slow", action="store_true", help="include the tests marked slow (float16/bfloat16 samples, gradgradcheck)")
     parser.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
+    parser.add_argument(
+        "--report", metavar="FILE",
+        help='write {"exit_code": N, "backends": {backend: {"passed"|"failed"|"skipped": [test, ...]}}, '
+        '"failure_messages": {test: first line}} as JSON',
+    )
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: passed to pytest as is")
 
 
@@ -54,6 +62,7 @@ class _Summary:
         self.results: dict[str, tuple[str, str]] = {}  # nodeid -> (backend, passed/failed/skipped)
         self.skip_reasons: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.failed_subtests: dict[str, list[str]] = collections.defaultdict(list)
+        self.failure_messages: dict[str, str] = {}  # test name -> the first failure's first line
         self.collection_errors: list[str] = []
 
     def pytest_collectreport(self, report) -> None:
@@ -78,6 +87,10 @@ class _Summary:
     def pytest_runtest_logreport(self, report) -> None:
         backend = self.backend_of(report.nodeid)
         subtest = getattr(report, "context", None)
+        if report.failed:
+            crash = getattr(report.longrepr, "reprcrash", None)
+            message = crash.message if crash is not None else str(report.longrepr)
+            self.failure_messages.setdefault(report.nodeid.rpartition("::")[2], message.strip().split("\n")[0][:300])
         if report.skipped:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             label = "" if subtest is None else f" (subtest {subtest.msg})"
@@ -93,14 +106,26 @@ class _Summary:
         elif report.when == "call" and report.nodeid not in self.results:
             self.results[report.nodeid] = (backend, "passed")
 
-    def counts(self) -> dict[str, collections.Counter]:
-        """``{backend: Counter(passed=, failed=, skipped=)}``; a test with a failed subtest failed."""
-        out: dict[str, collections.Counter] = {name: collections.Counter() for name in self.tokens}
+    def outcomes(self) -> dict[str, dict[str, list[str]]]:
+        """``{backend: {"passed" | "failed" | "skipped": [test name, ...]}}``; a test with a failed
+        subtest failed."""
+        out: dict[str, dict[str, list[str]]] = {
+            name: {"passed": [], "failed": [], "skipped": []} for name in self.tokens
+        }
         for nodeid, (backend, outcome) in self.results.items():
             if self.failed_subtests.get(nodeid):
                 outcome = "failed"
-            out.setdefault(backend, collections.Counter())[outcome] += 1
+            out.setdefault(backend, {"passed": [], "failed": [], "skipped": []})[outcome].append(
+                nodeid.rpartition("::")[2]
+            )
         return out
+
+    def counts(self) -> dict[str, collections.Counter]:
+        """``{backend: Counter(passed=, failed=, skipped=)}``; a test with a failed subtest failed."""
+        return {
+            backend: collections.Counter({k: len(v) for k, v in tests.items() if v})
+            for backend, tests in self.outcomes().items()
+        }
 
     def render(self) -> str:
         counts = self.counts()
@@ -175,6 +200,10 @@ def main(args) -> int:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump({"exit_code": code, "backends": summary.outcomes(), "failure_messages": summary.failure_messages},
+                      f, indent=1)
     device = args.device or "all devices"
     print(f"\naten_override test summary ({device}{'' if args.slow else ', not slow'}; pytest exit {code})")
     print(summary.render())

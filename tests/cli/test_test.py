@@ -1,22 +1,11 @@
 """``python -m aten_override test``: passes a correct backend, fails a wrong one, names both."""
 
-import os
-import subprocess
-import sys
+import json
 
 import pytest
 
 from aten_override.__main__ import main
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _run_cli(*argv, cwd):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    return subprocess.run(
-        [sys.executable, "-m", "aten_override", "test", *argv],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
-    )
+from tests.helpers import run_test_cli as _run_cli
 
 
 def _summary_row(stdout, backend):
@@ -28,14 +17,25 @@ def _summary_row(stdout, backend):
 
 def test_wrong_backend_fails_with_a_summary(tmp_path):
     wrong = "aten_override.testing.example_backends:wrong_grad_weight"
-    result = _run_cli("--backend", wrong, "--backend", "python", "-k", "conv2d and (matches_native or errors)", cwd=tmp_path)
+    report = tmp_path / "report.json"
+    result = _run_cli("--backend", wrong, "--backend", "python", "-k", "conv2d and (matches_native or errors)",
+                      "--report", str(report), cwd=tmp_path)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     passed, failed, _ = _summary_row(result.stdout, "wrong_grad_weight")
     assert failed > 0
-    assert "wrong_grad_weight: FAILED test_matches_native_wrong_grad_weight_convolution_backward_conv2d_cpu_float32" in result.stdout
+    failing = "test_matches_native_wrong_grad_weight_convolution_backward_conv2d_cpu_float32"
+    assert f"wrong_grad_weight: FAILED {failing}" in result.stdout
     assert passed > 0  # its error tests pass: FunctionBackend validates arguments for it
     python_passed, python_failed, _ = _summary_row(result.stdout, "python")
     assert python_failed == 0 and python_passed == passed + failed
+    # --report: the same outcomes, per backend and test, with the first line of each failure
+    data = json.loads(report.read_text())
+    assert data["exit_code"] == 1
+    outcomes = data["backends"]
+    assert failing in outcomes["wrong_grad_weight"]["failed"]
+    assert (len(outcomes["wrong_grad_weight"]["passed"]), len(outcomes["wrong_grad_weight"]["failed"])) == (passed, failed)
+    assert outcomes["python"]["failed"] == [] and len(outcomes["python"]["passed"]) == python_passed
+    assert "grad_weight: Tensor-likes are not close" in data["failure_messages"][failing]
 
 
 def test_wrong_strides_fail_the_fuzzer_with_a_reproduction(tmp_path):
