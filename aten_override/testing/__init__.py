@@ -7,7 +7,9 @@ r"""An upstream-style test bed for ``aten::convolution_backward`` backends, ship
 - :mod:`.fuzz`: hypothesis strategies for random valid calls, with reproductions;
 - :mod:`.suite`: the test modules ``python -m aten_override test`` runs;
 - :mod:`.selection`: which backends the suite runs (``module:function`` for your own);
-- :mod:`.example_backends`: user-backend templates, two deliberately wrong.
+- :mod:`.example_backends`: user-backend templates: a correct reference from forward
+  convolutions, two deliberately wrong;
+- :mod:`.mutants`: the reference with one plausible bug each (``scripts/mutation_check.py``).
 
 Importing :mod:`aten_override.testing` is cheap; ``op_db`` imports ``torch.testing._internal``
 (pinned in :mod:`._upstream`) on first access.

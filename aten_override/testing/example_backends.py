@@ -102,15 +102,15 @@ class ForwardConvolutionBackward:
         return backend in _EMPTY_BACKENDS
 
     def empty_outputs(self, a: ConvolutionBackwardArgs) -> tuple[torch.Tensor | None, ...]:
-        """Upstream's ``Empty`` backend: zeros like ``input`` and ``weight``, ``zeros(bias_sizes)``
-        (``(C_out,)`` for ``bias_sizes=None``, where upstream aborts)."""
-        mask = a.output_mask
+        """Upstream's ``Empty`` backend: :meth:`zeros_like` ``input`` and ``weight``, and
+        ``zeros(bias_sizes)`` (``(C_out,)`` for ``bias_sizes=None``, where upstream aborts)."""
         sizes = list(a.bias_sizes) if a.bias_sizes is not None else [a.grad_output.size(1)]
-        return (
-            torch.zeros_like(a.input) if mask[0] else None,
-            torch.zeros_like(a.weight) if mask[1] else None,
-            torch.zeros(sizes, dtype=a.weight.dtype, device=a.weight.device) if mask[2] else None,
-        )
+        likes = (a.input, a.weight, a.weight.new_empty(sizes))
+        return tuple(self.zeros_like(t) if wanted else None for t, wanted in zip(likes, a.output_mask))
+
+    def zeros_like(self, t: torch.Tensor) -> torch.Tensor:
+        """The empty path's outputs: ``torch.zeros_like`` (``t``'s strides)."""
+        return torch.zeros_like(t)
 
     def memory_format(self, a: ConvolutionBackwardArgs, backend: torch._C._ConvBackend) -> torch.memory_format:
         """Upstream's: suggested by ``input`` and ``weight``, never ``grad_output``."""
