@@ -65,7 +65,17 @@ class ForwardConvolutionBackward:
     (:func:`~aten_override.ops.convolution_backward.args.output_memory_format`,
     :func:`~aten_override.ops.convolution_backward.args.empty_like_native`, filled by ``copy_``);
     masked-out outputs are ``None``; upstream's ``Empty`` backend (a zero batch or zero channels)
-    gives zeros. Arguments are assumed valid (:class:`aten_override.FunctionBackend` checks them).
+    gives zeros.
+
+    Args: the aten signature (module docstring), float64 / float32 / bfloat16 / float16, 1-3
+        spatial dims, assumed valid (:class:`aten_override.FunctionBackend` checks them first).
+
+    Returns:
+        ``(grad_input (N, C_in, *spatial_in), grad_weight like weight, grad_bias (C_out,))`` in the
+        inputs' dtype, ``None`` where ``output_mask`` is False.
+
+    Raises:
+        RuntimeError: from the forward convolutions, on arguments no valid call has.
 
     Each step is a method, so :mod:`aten_override.testing.mutants` can break one at a time.
     """
