@@ -10,10 +10,11 @@ or slowing down between rounds (a shared VM) cancels out.
 
 Roofline: ``time >= max(flops / peak_flops, bytes / bandwidth)`` with ``flops`` = 4 x the forward
 multiply-adds (grad_input and grad_weight) and ``bytes`` = one pass over grad_output, input, weight
-and the two gradients. The peaks are assumed from the CPU, not measured (override with
-``--peak-gflops``): AVX-512, 2 FMA units = 64 float32 (32 float64) flop/cycle/core; AMX-BF16 = 1024
-bf16 flop/cycle/core when ``amx_bf16`` is in /proc/cpuinfo; clock = "cpu MHz" of /proc/cpuinfo. The
-bandwidth is measured at startup (a 256 MiB copy; ``--bandwidth-gbs`` overrides).
+and the two gradients. Both peaks are measured at startup at the benchmark's thread count
+(``aten_override._machine``: the faster of a 2048x2048 ``torch.mm`` and a 3x3 convolution per dtype,
+a 256 MiB copy), and printed first with the CPU model, its ISA flags and the torch / oneDNN versions;
+``--peak-gflops`` / ``--bandwidth-gbs`` override them. The peak is the best this torch reaches, not
+the silicon's, so a kernel can exceed 100%.
 
 Peak memory: the most bytes held by CPU allocations during one call, above what was held before it
 (the profiler's allocation events, ``profile_memory=True``); outputs included.
@@ -43,6 +44,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import aten_override
+from aten_override import _machine
 
 SHAPES = Path(__file__).with_name("shapes.json")
 BACKENDS = ("native", "python", "compiled")
@@ -90,25 +92,6 @@ def make_case(spec: dict, dtype: torch.dtype, device: str) -> Case:
     args = (go, x, w, [c_out], s, p, d, transposed, op, groups, [True, True, True])
     elements = 2 * (x.numel() + w.numel()) + go.numel()
     return Case(spec["name"], spec["cls"], dtype, args, 4.0 * macs, elements * x.element_size())
-
-
-def peak_flops(dtype: torch.dtype, threads: int) -> float:
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    mhz = re.search(r"cpu MHz\s*:\s*([\d.]+)", cpuinfo)
-    hz = float(mhz.group(1)) * 1e6 if mhz else 2.0e9
-    per_cycle = {torch.float64: 32, torch.float32: 64}.get(dtype)
-    if per_cycle is None:  # bf16 / f16
-        per_cycle = 1024 if "amx_bf16" in cpuinfo and dtype == torch.bfloat16 else 64
-    return per_cycle * hz * threads
-
-
-def measure_bandwidth() -> float:
-    """Bytes/s of a 256 MiB copy (read + write)."""
-    src = torch.empty(64 << 20, dtype=torch.float32).fill_(1)
-    dst = torch.empty_like(src)
-    timer = benchmark.Timer("dst.copy_(src)", globals={"dst": dst, "src": src}, num_threads=torch.get_num_threads())
-    t = timer.blocked_autorange(min_run_time=0.5)
-    return 2 * src.numel() * 4 / t.median
 
 
 def call(backend: str, args: tuple):
@@ -195,18 +178,11 @@ def main(argv=None) -> int:
         print(f"skipping backend {b}: {reason}", file=sys.stderr)
         backends.remove(b)
     dtypes = set(args.dtypes.split(","))
-    on_cpu = args.device == "cpu"
-    # Off the CPU the peaks are not assumed: roof% is nan unless --peak-gflops / --bandwidth-gbs give them.
-    if args.bandwidth_gbs:
-        bandwidth = args.bandwidth_gbs * 1e9
-    else:
-        bandwidth = measure_bandwidth() if on_cpu else float("nan")
-    print(
-        f"torch {torch.__version__}, {args.threads} threads, device {args.device}; bandwidth {bandwidth / 1e9:.1f} GB/s "
-        f"({'given' if args.bandwidth_gbs else 'measured'}); FLOP peak float32 "
-        f"{(args.peak_gflops or peak_flops(torch.float32, args.threads) / 1e9):.0f} GFLOP/s, bfloat16 "
-        f"{(args.peak_gflops or peak_flops(torch.bfloat16, args.threads) / 1e9):.0f} GFLOP/s (assumed)"
-    )
+    # The peaks are the CPU's: off the CPU roof% is nan unless --peak-gflops / --bandwidth-gbs give them.
+    nan = float("nan") if args.device != "cpu" else None
+    machine = _machine.measure(peak_gflops=args.peak_gflops or nan, bandwidth_gbs=args.bandwidth_gbs or nan)
+    print(_machine.header(machine))
+    print(f"device {args.device}")
 
     rows = []
     for spec in load_cases(args.shapes, args.quick, args.only, dtypes):
@@ -222,11 +198,7 @@ def main(argv=None) -> int:
                     if problem:
                         raise SystemExit(f"{case.name} {dtype} {b}: result differs from native: {problem}")
             times, ratios = time_interleaved(backends, case.args, args.rounds, args.min_run_time)
-            if args.peak_gflops:
-                peak = args.peak_gflops * 1e9
-            else:
-                peak = peak_flops(dtype, args.threads) if on_cpu else float("nan")
-            roof = max(case.flops / peak, case.bytes / bandwidth)
+            roof = max(case.flops / machine.peak(dtype), case.bytes / machine.bandwidth)
             aten_override.reset_stats()
             call("compiled", case.args) if "compiled" in backends else None
             layer_class = ",".join(aten_override.stats().get("compiled_layer_classes", {})) or "-"
