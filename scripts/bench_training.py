@@ -10,10 +10,10 @@ round's compiled / native time, so the machine speeding up or slowing down betwe
 VM) cancels out. ``--warmup`` untimed steps per side come first (oneDNN primitive caches,
 allocator).
 
-Then one extra step per side runs under ``aten_override.trace()``: the convolution backward's share
-of that step (the sum of the traced ``convolution_backward`` calls over the traced step's wall time;
-the tracer's module hooks make that step a little slower than an untimed one) and the top 5 conv
-layers by native backward time, with what served each: native's backend (upstream's choice,
+Then ``--trace-steps`` extra steps per side run under ``aten_override.trace()`` (the minimum over them
+of each time is taken): the convolution backward's share of a step (the sum of the traced
+``convolution_backward`` calls over the traced step's wall time; the tracer's module hooks make that
+step a little slower than an untimed one) and the top 5 conv layers by native backward time, with what served each: native's backend (upstream's choice,
 ``Mkldnn``, ``Slow2d``, ...) and the compiled backend's layer class
 (``aten_override.ops.convolution_backward.compiled.layer_class``; ``python -m aten_override info
 --layer-classes``).
@@ -23,7 +23,7 @@ Models (``--models``; inputs: ``--batch`` images of ``--image-size`` or clips / 
 ==================== ==================================================================================
 mobilenet_v2         ``MobileNetV2Config()`` (depth multiplier 1.0, 224), 1000 classes, cross entropy
 efficientnet_b0      ``EfficientNetConfig`` with the B0 parameters (width / depth coefficient 1.0, image
-                     size 224, dropout 0.2; the config's defaults are B7), cross entropy
+                     size 224, dropout 0.2, hidden_dim 1280; the defaults are B7), cross entropy
 resnet50             ``ResNetConfig()`` (ResNet-50), cross entropy
 convnext_tiny        ``ConvNextConfig()`` (ConvNeXt-T), cross entropy
 wav2vec2_base        ``Wav2Vec2Config(num_hidden_layers=2)``: wav2vec2-base with 2 of its 12 transformer
@@ -35,7 +35,7 @@ r2plus1d_18          R(2+1)D-18 in plain torch (``transformers`` has no convolut
 ==================== ==================================================================================
 
 ``--quick`` (under 3 minutes on 2 cores): mobilenet_v2, efficientnet_b0, resnet50 and wav2vec2_base
-at batch 2, 2 threads, 3 rounds of 1 step.
+at batch 2, 2 threads, 3 rounds of 1 step, 1 traced step per side.
 
 Usage::
 
@@ -96,7 +96,7 @@ def efficientnet_b0(args) -> Workload:
     from transformers import EfficientNetConfig, EfficientNetForImageClassification
 
     config = EfficientNetConfig(
-        width_coefficient=1.0, depth_coefficient=1.0, image_size=224, dropout_rate=0.2, num_labels=1000
+        width_coefficient=1.0, depth_coefficient=1.0, image_size=224, dropout_rate=0.2, hidden_dim=1280, num_labels=1000
     )
     return _image_classifier("efficientnet_b0", EfficientNetForImageClassification(config), args.batch, args.image_size)
 
@@ -249,25 +249,36 @@ class Layer:
     served: str = ""
 
 
-def traced_step(w: Workload, opt, name: str) -> tuple[float, dict[str, Layer]]:
-    """(wall seconds of one traced step, {module: Layer}) on side ``name``. ``served`` is upstream's
-    backend for native, the compiled layer class (and depthwise kernel) for ours."""
-    with side(name), aten_override.trace(log=False) as t:
-        start = time.perf_counter()
-        step(w, opt)
-        wall = time.perf_counter() - start
-    layers: dict[str, Layer] = defaultdict(Layer)
-    for call in t.calls:
-        layer = layers[_short_module(call.module)]
-        layer.calls += 1
-        layer.us += call.time_us or 0.0
-        layer.served = call.native_backend if name == "native" else _compiled_kernel(call)
-    return wall, dict(layers)
+def traced_steps(w: Workload, opt, name: str, steps: int) -> tuple[float, dict[str, Layer]]:
+    """(wall seconds of a traced step, {module: Layer}) on side ``name``: the minimum over ``steps``
+    traced steps of the wall time and of each layer's time (on a shared machine noise only adds
+    time). ``served`` is upstream's backend for native, the compiled layer class (and depthwise
+    kernel) for ours."""
+    walls, layers = [], {}
+    for _ in range(steps):
+        with side(name), aten_override.trace(log=False) as t:
+            start = time.perf_counter()
+            step(w, opt)
+            walls.append(time.perf_counter() - start)
+        this_step: dict[str, Layer] = defaultdict(Layer)
+        for call in t.calls:
+            layer = this_step[_short_module(call.module)]
+            layer.calls += 1
+            layer.us += call.time_us or 0.0
+            layer.served = call.native_backend if name == "native" else _compiled_kernel(call)
+        for module, layer in this_step.items():
+            if module not in layers or layer.us < layers[module].us:
+                layers[module] = layer
+    return min(walls), layers
 
 
 def _short_module(module: str | None) -> str:
     """The module path without the root class name (``ResNetForImageClassification.``)."""
     return module.split(".", 1)[-1] if module else "<no module>"
+
+
+def _tail(text: str, width: int) -> str:
+    return text if len(text) <= width else "…" + text[-(width - 1):]
 
 
 def _compiled_kernel(call) -> str:
@@ -305,7 +316,7 @@ def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, r
         o = ours.get(module, Layer(served="-"))
         r = o.us / layer.us if layer.us else float("nan")
         print(
-            f"  {module[-58:]:58s} {layer.calls:5d} {layer.us / 1e3:9.2f} {layer.served[:10]:10s} "
+            f"  {_tail(module, 58):58s} {layer.calls:5d} {layer.us / 1e3:9.2f} {layer.served[:10]:10s} "
             f"{o.us / 1e3:11.2f} {o.served[:24]:24s} {r:5.2f}"
         )
     return {
@@ -327,7 +338,7 @@ def print_summary(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)}; batch 2, 2 threads, 3 rounds of 1 step")
+    p.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)}; batch 2, 2 threads, 3 rounds of 1 step, 1 traced step")
     p.add_argument("--models", nargs="+", choices=list(MODELS), help="default: all (--quick: the quick ones)")
     p.add_argument("--threads", type=int, nargs="+", help="thread counts, each timed separately (default 1 2; --quick: 2)")
     p.add_argument("--batch", type=int, help="images / clips / utterances per step (default 8; --quick: 2)")
@@ -336,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, help="interleaved timing rounds (default 5; --quick: 3)")
     p.add_argument("--steps", type=int, help="timed steps per side per round (default 2; --quick: 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per side before timing")
+    p.add_argument("--trace-steps", type=int, help="traced steps per side, the minimum taken (default 2; --quick: 1)")
     p.add_argument("--csv", type=Path, help="also write the summary rows as CSV")
     args = p.parse_args(argv)
     quick = args.quick
@@ -344,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     args.batch = args.batch or (2 if quick else 8)
     args.rounds = args.rounds or (3 if quick else 5)
     args.steps = args.steps or (1 if quick else 2)
+    args.trace_steps = args.trace_steps or (1 if quick else 2)
 
     reason = aten_override.availability().get("compiled")
     if reason:
@@ -359,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\nskipping {name}: {e} (pip install -e '.[bench]')", file=sys.stderr)
                 continue
             times, ratio = time_interleaved(w, opt, args.rounds, args.steps, args.warmup)
-            traces = {s: traced_step(w, opt, s) for s in SIDES}
+            traces = {s: traced_steps(w, opt, s, args.trace_steps) for s in SIDES}
             rows.append(report(w, threads, times, ratio, traces, args.rounds))
             sys.stdout.flush()
     print_summary(rows)
