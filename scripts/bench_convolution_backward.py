@@ -45,6 +45,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import aten_override
 from aten_override import _machine
+from interleave import interleaved  # scripts/interleave.py
 
 SHAPES = Path(__file__).with_name("shapes.json")
 BACKENDS = ("native", "python", "compiled")
@@ -133,19 +134,14 @@ def peak_bytes(fn) -> int:
 
 def time_interleaved(backends, args, rounds: int, min_run_time: float) -> tuple[dict[str, float], dict[str, float]]:
     """(median seconds per call of each backend, median over the rounds of its time / native's time
-    in the same round), the backends alternating within each round, in reverse order every other
-    round (the second backend of a round measured up to 10% slower on identical work)."""
-    samples = {b: [] for b in backends}
-    for r in range(rounds):
-        for b in backends if r % 2 == 0 else backends[::-1]:
-            # Timer runs at num_threads=1 unless told: time at the thread count main() set.
-            t = benchmark.Timer("call(b, args)", globals={"call": call, "b": b, "args": args}, num_threads=torch.get_num_threads())
-            samples[b].append(t.blocked_autorange(min_run_time=min_run_time).median)
-    ratios = {
-        b: statistics.median(x / n for x, n in zip(samples[b], samples["native"])) if "native" in samples else float("nan")
-        for b in backends
-    }
-    return {b: statistics.median(v) for b, v in samples.items()}, ratios
+    in the same round): :func:`interleave.interleaved` of ``blocked_autorange`` medians."""
+
+    def measure(b: str) -> float:
+        # Timer runs at num_threads=1 unless told: time at the thread count main() set.
+        t = benchmark.Timer("call(b, args)", globals={"call": call, "b": b, "args": args}, num_threads=torch.get_num_threads())
+        return t.blocked_autorange(min_run_time=min_run_time).median
+
+    return interleaved(measure, backends, rounds, reference="native")
 
 
 def main(argv=None) -> int:

@@ -66,6 +66,7 @@ import aten_override
 from aten_override import _machine
 from aten_override.ops.convolution_backward import compiled
 from aten_override.ops.convolution_backward.args import ConvolutionBackwardArgs
+from interleave import interleaved  # scripts/interleave.py
 
 
 @dataclasses.dataclass
@@ -228,16 +229,13 @@ def timed_steps(w: Workload, opt, name: str, steps: int) -> float:
 
 
 def time_interleaved(w: Workload, opt, rounds: int, steps: int, warmup: int) -> tuple[dict, float]:
-    """({side: median seconds per step}, median over rounds of compiled / native in the same round)."""
+    """({side: median seconds per step}, median over rounds of compiled / native in the same round),
+    after ``warmup`` untimed steps per side."""
     for name in SIDES:
         if warmup:
             timed_steps(w, opt, name, warmup)
-    samples = {s: [] for s in SIDES}
-    for r in range(rounds):
-        for name in SIDES if r % 2 == 0 else SIDES[::-1]:
-            samples[name].append(timed_steps(w, opt, name, steps))
-    ratio = statistics.median(c / n for c, n in zip(samples["compiled"], samples["native"]))
-    return {s: statistics.median(v) for s, v in samples.items()}, ratio
+    times, ratios = interleaved(lambda name: timed_steps(w, opt, name, steps), SIDES, rounds, reference="native")
+    return times, ratios["compiled"]
 
 
 @dataclasses.dataclass

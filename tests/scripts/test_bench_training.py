@@ -13,7 +13,8 @@ from ..backend_params import REPO, run_python
 NO_COMPILED = "compiled kernels not built"
 
 
-def _load_script():
+def _load_script(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))  # its `from interleave import ...`
     spec = importlib.util.spec_from_file_location("bench_training", REPO / "scripts" / "bench_training.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
@@ -21,9 +22,9 @@ def _load_script():
     return module
 
 
-def test_r2plus1d_18_trains_on_a_tiny_clip():
+def test_r2plus1d_18_trains_on_a_tiny_clip(monkeypatch):
     """The plain-torch video model (no transformers needed): a backward on two 2x16x16 clips."""
-    model = _load_script().R2Plus1D18(num_classes=5)
+    model = _load_script(monkeypatch).R2Plus1D18(num_classes=5)
     loss = torch.nn.functional.cross_entropy(model(torch.randn(2, 3, 2, 16, 16)), torch.tensor([3, 1]))
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
