@@ -309,13 +309,13 @@ def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, r
     )
     native, ours = traces["native"][1], traces["compiled"][1]
     print("top 5 conv layers by native backward time:")
-    print(f"  {'layer':58s} {'calls':>5s} {'native ms':>9s} {'upstream':10s} {'compiled ms':>11s} {'class':24s} ratio")
+    print(f"  {'layer':58s} {'calls':>5s} {'native ms':>9s} {'upstream':10s} {'compiled ms':>11s} {'class':27s} ratio")
     for module, layer in sorted(native.items(), key=lambda kv: -kv[1].us)[:5]:
         o = ours.get(module, Layer(served="-"))
         r = o.us / layer.us if layer.us else float("nan")
         print(
             f"  {_tail(module, 58):58s} {layer.calls:5d} {layer.us / 1e3:9.2f} {layer.served[:10]:10s} "
-            f"{o.us / 1e3:11.2f} {o.served[:24]:24s} {r:5.2f}"
+            f"{o.us / 1e3:11.2f} {o.served[:27]:27s} {r:5.2f}"
         )
     return {
         "model": w.name, "input": w.shape, "threads": threads,
