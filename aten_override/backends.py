@@ -139,12 +139,15 @@ def _check_result(args: ConvolutionBackwardArgs, result, backend: str) -> None:
         raise RuntimeError(
             f"convolution_backward[{backend}]: expected a tuple (grad_input, grad_weight, grad_bias), got {type(result).__name__}"
         )
-    c_out = args.grad_output.size(1)
-    bias_shapes = [[c_out]]
+    # C_out from weight: after check_args it is grad_output.size(1), except on an empty call, where
+    # grad_output may have 0 channels (the zero-channel forward drops the bias).
+    bias_shapes = [[args.c_out]]
     if args.bias_sizes is not None:
         bias_shapes.append([int(s) for s in args.bias_sizes])
     expected = ([list(args.input.shape)], [list(args.weight.shape)], bias_shapes)
-    for i, (name, t, shapes) in enumerate(zip(("grad_input", "grad_weight", "grad_bias"), result, expected)):
+    # dtypes as upstream's: an empty call (where the dtypes may differ) gives zeros like input and weight.
+    dtypes = (args.input.dtype, args.weight.dtype, args.weight.dtype)
+    for i, (name, t, shapes, dtype) in enumerate(zip(("grad_input", "grad_weight", "grad_bias"), result, expected, dtypes)):
         where = f"convolution_backward[{backend}]: {name}"
         if not args.output_mask[i]:
             if t is not None:
@@ -154,8 +157,8 @@ def _check_result(args: ConvolutionBackwardArgs, result, backend: str) -> None:
             raise RuntimeError(f"{where} is {type(t).__name__}, expected a Tensor")
         if list(t.shape) not in shapes:
             raise RuntimeError(f"{where} has shape {list(t.shape)}, expected {' or '.join(map(str, shapes))}")
-        if t.dtype != args.input.dtype:
-            raise RuntimeError(f"{where} has dtype {t.dtype}, expected {args.input.dtype}")
+        if t.dtype != dtype:
+            raise RuntimeError(f"{where} has dtype {t.dtype}, expected {dtype}")
         if t.device != args.grad_output.device:
             raise RuntimeError(f"{where} is on {t.device}, expected {args.grad_output.device}")
 

@@ -10,10 +10,11 @@ or slowing down between rounds (a shared VM) cancels out.
 
 Roofline: ``time >= max(flops / peak_flops, bytes / bandwidth)`` with ``flops`` = 4 x the forward
 multiply-adds (grad_input and grad_weight) and ``bytes`` = one pass over grad_output, input, weight
-and the two gradients. The peaks are assumed from the CPU, not measured (override with
-``--peak-gflops``): AVX-512, 2 FMA units = 64 float32 (32 float64) flop/cycle/core; AMX-BF16 = 1024
-bf16 flop/cycle/core when ``amx_bf16`` is in /proc/cpuinfo; clock = "cpu MHz" of /proc/cpuinfo. The
-bandwidth is measured at startup (a 256 MiB copy; ``--bandwidth-gbs`` overrides).
+and the two gradients. Both peaks are measured at startup at the benchmark's thread count
+(``aten_override._machine``: the faster of a 2048x2048 ``torch.mm`` and a 3x3 convolution per dtype,
+a 256 MiB copy), and printed first with the CPU model, its ISA flags and the torch / oneDNN versions;
+``--peak-gflops`` / ``--bandwidth-gbs`` override them. The peak is the best this torch reaches, not
+the silicon's, so a kernel can exceed 100%.
 
 Peak memory: the most bytes held by CPU allocations during one call, above what was held before it
 (the profiler's allocation events, ``profile_memory=True``); outputs included.
@@ -43,6 +44,8 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import aten_override
+from aten_override import _machine
+from interleave import interleaved  # scripts/interleave.py
 
 SHAPES = Path(__file__).with_name("shapes.json")
 BACKENDS = ("native", "python", "compiled")
@@ -92,25 +95,6 @@ def make_case(spec: dict, dtype: torch.dtype, device: str) -> Case:
     return Case(spec["name"], spec["cls"], dtype, args, 4.0 * macs, elements * x.element_size())
 
 
-def peak_flops(dtype: torch.dtype, threads: int) -> float:
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    mhz = re.search(r"cpu MHz\s*:\s*([\d.]+)", cpuinfo)
-    hz = float(mhz.group(1)) * 1e6 if mhz else 2.0e9
-    per_cycle = {torch.float64: 32, torch.float32: 64}.get(dtype)
-    if per_cycle is None:  # bf16 / f16
-        per_cycle = 1024 if "amx_bf16" in cpuinfo and dtype == torch.bfloat16 else 64
-    return per_cycle * hz * threads
-
-
-def measure_bandwidth() -> float:
-    """Bytes/s of a 256 MiB copy (read + write)."""
-    src = torch.empty(64 << 20, dtype=torch.float32).fill_(1)
-    dst = torch.empty_like(src)
-    timer = benchmark.Timer("dst.copy_(src)", globals={"dst": dst, "src": src}, num_threads=torch.get_num_threads())
-    t = timer.blocked_autorange(min_run_time=0.5)
-    return 2 * src.numel() * 4 / t.median
-
-
 def call(backend: str, args: tuple):
     if backend == "native":
         return NATIVE(*args)
@@ -150,19 +134,14 @@ def peak_bytes(fn) -> int:
 
 def time_interleaved(backends, args, rounds: int, min_run_time: float) -> tuple[dict[str, float], dict[str, float]]:
     """(median seconds per call of each backend, median over the rounds of its time / native's time
-    in the same round), the backends alternating within each round, in reverse order every other
-    round (the second backend of a round measured up to 10% slower on identical work)."""
-    samples = {b: [] for b in backends}
-    for r in range(rounds):
-        for b in backends if r % 2 == 0 else backends[::-1]:
-            # Timer runs at num_threads=1 unless told: time at the thread count main() set.
-            t = benchmark.Timer("call(b, args)", globals={"call": call, "b": b, "args": args}, num_threads=torch.get_num_threads())
-            samples[b].append(t.blocked_autorange(min_run_time=min_run_time).median)
-    ratios = {
-        b: statistics.median(x / n for x, n in zip(samples[b], samples["native"])) if "native" in samples else float("nan")
-        for b in backends
-    }
-    return {b: statistics.median(v) for b, v in samples.items()}, ratios
+    in the same round): :func:`interleave.interleaved` of ``blocked_autorange`` medians."""
+
+    def measure(b: str) -> float:
+        # Timer runs at num_threads=1 unless told: time at the thread count main() set.
+        t = benchmark.Timer("call(b, args)", globals={"call": call, "b": b, "args": args}, num_threads=torch.get_num_threads())
+        return t.blocked_autorange(min_run_time=min_run_time).median
+
+    return interleaved(measure, backends, rounds, reference="native")
 
 
 def main(argv=None) -> int:
@@ -195,18 +174,11 @@ def main(argv=None) -> int:
         print(f"skipping backend {b}: {reason}", file=sys.stderr)
         backends.remove(b)
     dtypes = set(args.dtypes.split(","))
-    on_cpu = args.device == "cpu"
-    # Off the CPU the peaks are not assumed: roof% is nan unless --peak-gflops / --bandwidth-gbs give them.
-    if args.bandwidth_gbs:
-        bandwidth = args.bandwidth_gbs * 1e9
-    else:
-        bandwidth = measure_bandwidth() if on_cpu else float("nan")
-    print(
-        f"torch {torch.__version__}, {args.threads} threads, device {args.device}; bandwidth {bandwidth / 1e9:.1f} GB/s "
-        f"({'given' if args.bandwidth_gbs else 'measured'}); FLOP peak float32 "
-        f"{(args.peak_gflops or peak_flops(torch.float32, args.threads) / 1e9):.0f} GFLOP/s, bfloat16 "
-        f"{(args.peak_gflops or peak_flops(torch.bfloat16, args.threads) / 1e9):.0f} GFLOP/s (assumed)"
-    )
+    # The peaks are the CPU's: off the CPU roof% is nan unless --peak-gflops / --bandwidth-gbs give them.
+    nan = float("nan") if args.device != "cpu" else None
+    machine = _machine.measure(peak_gflops=args.peak_gflops or nan, bandwidth_gbs=args.bandwidth_gbs or nan)
+    print(_machine.header(machine))
+    print(f"device {args.device}")
 
     rows = []
     for spec in load_cases(args.shapes, args.quick, args.only, dtypes):
@@ -222,11 +194,7 @@ def main(argv=None) -> int:
                     if problem:
                         raise SystemExit(f"{case.name} {dtype} {b}: result differs from native: {problem}")
             times, ratios = time_interleaved(backends, case.args, args.rounds, args.min_run_time)
-            if args.peak_gflops:
-                peak = args.peak_gflops * 1e9
-            else:
-                peak = peak_flops(dtype, args.threads) if on_cpu else float("nan")
-            roof = max(case.flops / peak, case.bytes / bandwidth)
+            roof = max(case.flops / machine.peak(dtype), case.bytes / machine.bandwidth)
             aten_override.reset_stats()
             call("compiled", case.args) if "compiled" in backends else None
             layer_class = ",".join(aten_override.stats().get("compiled_layer_classes", {})) or "-"

@@ -4,7 +4,8 @@ r"""Per-sample gradients at large batch: ``vmap(grad(loss))`` over a conv model,
 This is Opacus' functorch mode: the batch rule calls ``aten::convolution_backward`` with
 ``groups = batch * groups`` and ``N = 1`` for every layer's ``grad_weight``. Each backend is timed
 interleaved with the original kernel in one process (``torch.utils.benchmark``, blocked_autorange
-per round, rounds alternating), and the ratio backend / aten of the medians is printed (> 1: slower).
+per round, the order alternating from round to round), and the median over the rounds of each round's
+ratio backend / aten is printed (> 1: slower), after the machine header (``aten_override._machine``).
 
 Usage::
 
@@ -23,6 +24,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import aten_override
+from aten_override import _machine
+from interleave import interleaved  # scripts/interleave.py
 
 
 def model(channels: int) -> nn.Module:
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--csv", help="also write the rows to this CSV file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    print(_machine.header(_machine.measure()), flush=True)
 
     rows = []
     for batch in args.batch:
@@ -75,22 +79,22 @@ def main(argv: list[str] | None = None) -> int:
                 got = fn(params, x, y)
                 served = aten_override.stats().get(backend, 0)
             err = max((g - e).abs().max().item() for g, e in zip(got.values(), expected.values()))
-            times = {"aten": [], backend: []}
-            for _ in range(args.rounds):
-                for name in ("aten", backend):
-                    timer = benchmark.Timer(
-                        stmt="fn(params, x, y)",
-                        globals={"fn": fn, "params": params, "x": x, "y": y},
-                        label="vmap(grad) per-sample", sub_label=f"batch={batch}", description=name,
-                        num_threads=args.threads,
-                    )
-                    with aten_override.enable(name):
-                        times[name].append(timer.blocked_autorange(min_run_time=args.min_run_time).median)
-            aten_us = sorted(times["aten"])[len(times["aten"]) // 2] * 1e6
-            ours_us = sorted(times[backend])[len(times[backend]) // 2] * 1e6
+
+            def measure(name: str) -> float:
+                timer = benchmark.Timer(
+                    stmt="fn(params, x, y)",
+                    globals={"fn": fn, "params": params, "x": x, "y": y},
+                    label="vmap(grad) per-sample", sub_label=f"batch={batch}", description=name,
+                    num_threads=args.threads,
+                )
+                with aten_override.enable(name):
+                    return timer.blocked_autorange(min_run_time=args.min_run_time).median
+
+            times, ratios = interleaved(measure, ("aten", backend), args.rounds, reference="aten")
+            aten_us, ours_us = times["aten"] * 1e6, times[backend] * 1e6
             rows.append({
                 "batch": batch, "backend": backend, "aten_us": round(aten_us, 1), "backend_us": round(ours_us, 1),
-                "ratio": round(ours_us / aten_us, 3), "calls_served": served, "max_abs_err": f"{err:.2e}",
+                "ratio": round(ratios[backend], 3), "calls_served": served, "max_abs_err": f"{err:.2e}",
             })
 
     header = list(rows[0])
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     print("  ".join(h.rjust(widths[h]) for h in header))
     for r in rows:
         print("  ".join(str(r[h]).rjust(widths[h]) for h in header))
-    print("times are medians in microseconds per vmap(grad) call; ratio = backend / aten")
+    print("times are medians in microseconds per vmap(grad) call; ratio = median of per-round backend / aten")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=header)

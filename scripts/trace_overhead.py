@@ -21,6 +21,7 @@ import torch
 from torch.utils.benchmark import Timer
 
 import aten_override
+from aten_override import _machine
 
 
 def configurations():
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--number", type=int, default=200, help="calls per measurement")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    print(_machine.header(_machine.measure()), flush=True)
     grad_output, x, w = torch.randn(1, 1, 2, 2), torch.randn(1, 1, 4, 4), torch.randn(1, 1, 3, 3)
     aten_args = (grad_output, x, w, [1], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, True])
     op = torch.ops.aten.convolution_backward.default

@@ -42,7 +42,7 @@ enum class LayerClass : int {
   SmallPlanes,
   Dense,
   Transposed,
-  NoOutputChannels,
+  BiasOnly,
   Pointwise,
   GroupedGemm,
   Kn2row3d,
@@ -55,7 +55,7 @@ enum class LayerClass : int {
 
 struct LayerClassInfo {
   const char* name;
-  const char* kernel;  // "direct" (cpu/direct.cpp), "gemm" (cpu/gemm.cpp), "zeros", "native" (the original
+  const char* kernel;  // "direct" (cpu/direct.cpp), "gemm" (cpu/gemm.cpp), "zeros", "sum", "native" (the original
                        // kernel) or "upcast" (the original kernel in float32)
   const char* why;
 };
@@ -81,7 +81,10 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "pointwise; pointwise and 3-D layers native does not send to oneDNN / Slow3d): native's oneDNN / GEMM "
      "paths are near the hardware limit there, or as fast (use native)"},
     {"transposed", "native", "transposed layers: no compiled kernel yet; native's oneDNN paths serve them (use native)"},
-    {"no-output-channels", "native", "C_out == 0: nothing to compute; native's result (use native)"},
+    {"bias-only", "sum",
+     "output_mask asks for neither grad_input nor grad_weight: grad_bias is grad_output's sum over every dim but 1 "
+     "(or nothing is computed), whatever the weight; upstream's oneDNN paths create a convolution primitive for it "
+     "and fail on zero output channels or a zero kernel size"},
     {"pointwise", "gemm",
      "1x1, no padding, groups == 1, where native picks oneDNN: its backward reaches 4-17% of peak (bfloat16 "
      "4% of AMX); plain GEMMs on input / grad_input views (strided: one gather); measured 0.26-0.5x native "
@@ -222,7 +225,20 @@ struct Expanded {
   int64_t c_in, c_out;
 };
 
-// Mirrors args.check_args (and through it upstream's check_shape_backward / ConvParams checks).
+// Whether upstream serves the call with its Empty backend (a zero batch or zero input channels): zeros,
+// reading nothing of grad_output but its number of dims. Mirrors args.is_empty_call.
+bool is_empty_call(const at::Tensor& input) {
+  return input.dim() >= 2 && (input.size(0) == 0 || input.size(1) == 0);
+}
+
+// Whether output_mask asks for grad_input or grad_weight; when not, the call needs only grad_output.
+// Mirrors args.needs_weight_or_input.
+bool needs_weight_or_input(const Args& a) {
+  return a.output_mask[0] || a.output_mask[1];
+}
+
+// Mirrors args.check_args: upstream's checks in its order (ConvParams, check_shape_backward, dims,
+// output_padding), then nothing more for an Empty call, then the checks upstream leaves to the backend.
 Expanded check_args(const Args& a) {
   const auto &go = a.grad_output, &x = a.input, &w = a.weight;
   const int64_t k = w.dim();
@@ -230,14 +246,6 @@ Expanded check_args(const Args& a) {
   CHECK_ARG(
       x.dim() == k && go.dim() == k, "expected input and grad_output to be ", k, "-dimensional like weight ",
       w.sizes(), ", got input of size ", x.sizes(), " and grad_output of size ", go.sizes());
-  CHECK_ARG(
-      go.scalar_type() == x.scalar_type() && x.scalar_type() == w.scalar_type(),
-      "grad_output, input and weight must have the same dtype, got ", py_name(go.scalar_type()), ", ",
-      py_name(x.scalar_type()), " and ", py_name(w.scalar_type()));
-  CHECK_ARG(
-      go.device() == x.device() && x.device() == w.device(),
-      "grad_output, input and weight must be on the same device, got ", go.device(), ", ", x.device(), " and ",
-      w.device());
   Expanded e;
   e.dims = k - 2;
   const std::pair<const char*, at::IntArrayRef> lists[] = {
@@ -261,26 +269,59 @@ Expanded check_args(const Args& a) {
     CHECK_ARG(p >= 0, "negative output_padding is not supported, got output_padding=", at::IntArrayRef(e.output_padding));
   const int64_t groups = a.groups;
   CHECK_ARG(groups > 0, "expected groups to be greater than 0, but got groups=", groups);
+  const char* role = a.transposed ? "C_in" : "C_out";
+  CHECK_ARG(
+      w.size(0) >= groups, role, " (", w.size(0), ") = weight.size(0) of weight ", w.sizes(),
+      " must be at least groups (", groups, ")");
+  CHECK_ARG(
+      w.size(0) % groups == 0, "groups (", groups, ") must divide ", role, " (", w.size(0),
+      ") = weight.size(0) of weight ", w.sizes());
   e.c_in = x.size(1);
   if (!a.transposed) {
+    CHECK_ARG(
+        e.c_in == w.size(1) * groups, "input has C_in (", e.c_in, ") channels but weight ", w.sizes(),
+        " with groups=", groups, " expects weight.size(1) * groups = ", w.size(1) * groups,
+        e.c_in % groups ? c10::str("; groups (", groups, ") must divide C_in (", e.c_in, ")") : std::string());
+    for (int64_t i = 0; i < e.dims; ++i) {
+      const int64_t padded = x.size(i + 2) + 2 * e.padding[i], kernel = e.dilation[i] * (w.size(i + 2) - 1) + 1;
+      CHECK_ARG(
+          padded >= kernel, "calculated padded input size per channel: ", padded, " (dim ", i,
+          "), dilated kernel size: ", kernel, "; kernel size can't be greater than actual input size");
+    }
     for (auto p : e.output_padding)
       CHECK_ARG(
           p == 0, "output_padding is not supported for non-transposed convolutions; got output_padding=",
           at::IntArrayRef(e.output_padding));
     e.c_out = w.size(0);
-    CHECK_ARG(
-        e.c_out % groups == 0, "groups (", groups, ") must divide C_out (", e.c_out, ") = weight.size(0) of weight ",
-        w.sizes());
-    CHECK_ARG(
-        e.c_in == w.size(1) * groups, "input has C_in (", e.c_in, ") channels but weight ", w.sizes(),
-        " with groups=", groups, " expects weight.size(1) * groups = ", w.size(1) * groups,
-        e.c_in % groups ? c10::str("; groups (", groups, ") must divide C_in (", e.c_in, ")") : std::string());
   } else {
     CHECK_ARG(
         e.c_in == w.size(0), "transposed: input has C_in (", e.c_in, ") channels but weight ", w.sizes(),
         " expects weight.size(0) = ", w.size(0));
-    CHECK_ARG(e.c_in % groups == 0, "groups (", groups, ") must divide C_in (", e.c_in, ")");
     e.c_out = w.size(1) * groups;
+  }
+  if (is_empty_call(x)) return e;
+  CHECK_ARG(
+      go.scalar_type() == x.scalar_type() && x.scalar_type() == w.scalar_type(),
+      "grad_output, input and weight must have the same dtype, got ", py_name(go.scalar_type()), ", ",
+      py_name(x.scalar_type()), " and ", py_name(w.scalar_type()));
+  CHECK_ARG(
+      go.device() == x.device() && x.device() == w.device(),
+      "grad_output, input and weight must be on the same device, got ", go.device(), ", ", x.device(), " and ",
+      w.device());
+  for (int64_t i = 0; i < e.dims; ++i) {
+    CHECK_ARG(
+        x.size(i + 2) != 0, "input ", x.sizes(),
+        " has a zero spatial size; only zero batch or zero channel inputs are supported");
+  }
+  if (!needs_weight_or_input(a)) return e;
+  bool zero_kernel = false;
+  for (int64_t i = 0; i < e.dims; ++i) zero_kernel |= w.size(i + 2) == 0;
+  CHECK_ARG(
+      e.c_out != 0 && !zero_kernel, "weight ", w.sizes(),
+      " has zero output channels or a zero kernel size; with a non-empty input ", x.sizes(),
+      " only grad_bias can be computed (output_mask=[", a.output_mask[0] ? "True" : "False", ", ",
+      a.output_mask[1] ? "True" : "False", ", ", a.output_mask[2] ? "True" : "False", "])");
+  if (a.transposed) {
     for (int64_t i = 0; i < e.dims; ++i) {
       CHECK_ARG(
           e.output_padding[i] < e.stride[i] || e.output_padding[i] < e.dilation[i],
@@ -295,23 +336,12 @@ Expanded check_args(const Args& a) {
   CHECK_ARG(
       go.size(1) == e.c_out, "grad_output has ", go.size(1), " channels, expected C_out = ", e.c_out, " for weight ",
       w.sizes());
-  for (int64_t i = 0; i < e.dims; ++i) {
-    CHECK_ARG(
-        x.size(i + 2) != 0, "input ", x.sizes(),
-        " has a zero spatial size; only zero batch or zero channel inputs are supported");
-  }
   std::vector<int64_t> expected(e.dims);
   for (int64_t i = 0; i < e.dims; ++i) {
     const int64_t in = x.size(i + 2), kk = w.size(i + 2);
     const int64_t s = e.stride[i], p = e.padding[i], d = e.dilation[i];
-    if (a.transposed) {
-      expected[i] = (in - 1) * s - 2 * p + d * (kk - 1) + e.output_padding[i] + 1;
-    } else {
-      CHECK_ARG(
-          in + 2 * p >= d * (kk - 1) + 1, "calculated padded input size per channel: ", in + 2 * p,
-          " (dim ", i, "), dilated kernel size: ", d * (kk - 1) + 1, "; kernel size can't be greater than actual input size");
-      expected[i] = (in + 2 * p - d * (kk - 1) - 1) / s + 1;
-    }
+    expected[i] = a.transposed ? (in - 1) * s - 2 * p + d * (kk - 1) + e.output_padding[i] + 1
+                               : (in + 2 * p - d * (kk - 1) - 1) / s + 1;
   }
   for (auto v : expected) {
     CHECK_ARG(
@@ -431,9 +461,9 @@ LayerClass gemm_class(const Args& a, const Expanded& e) {
 }
 
 LayerClass classify_layer(const Args& a, const Expanded& e) {
-  if (a.input.size(0) == 0 || e.c_in == 0) return LayerClass::Empty;
+  if (is_empty_call(a.input)) return LayerClass::Empty;
+  if (!needs_weight_or_input(a)) return LayerClass::BiasOnly;
   if (a.transposed) return LayerClass::Transposed;
-  if (e.c_out == 0) return LayerClass::NoOutputChannels;
   const int64_t in_per_group = e.c_in / a.groups, out_per_group = e.c_out / a.groups;
   LayerClass direct = LayerClass::Dense;
   if (a.groups == 1 && e.c_in == 1) {
@@ -508,7 +538,7 @@ bool onednn_defect(const Args& a, const Expanded& e) {
 LayerClass classify(const Args& a, const Expanded& e) {
   const LayerClass cls = classify_layer(a, e);
   const bool native = cls == LayerClass::Dense || cls == LayerClass::Transposed || cls == LayerClass::SmallPlanes ||
-      cls == LayerClass::Kn2row || cls == LayerClass::NoOutputChannels;
+      cls == LayerClass::Kn2row;
   const auto dtype = a.grad_output.scalar_type();
   const bool reduced = dtype == at::kBFloat16 || dtype == at::kHalf;
   if (native && a.grad_output.is_cpu() && dtype != at::kDouble &&
@@ -542,10 +572,17 @@ at::Tensor grad_bias(const at::Tensor& go) {
   return at::sum(go, dims, /*keepdim=*/false, compute_dtype(go.scalar_type())).to(go.scalar_type());
 }
 
+// Upstream's Empty backend: zeros shaped like input, weight and bias_sizes (grad_output may have 0
+// channels where bias_sizes is [C_out]); 1-D calls on input.contiguous() / weight viewed as 2-D (view4d).
+// bias_sizes=None gives zeros(C_out) where upstream aborts. Mirrors python_impl._empty_backward.
 Result empty_backward(const Args& a, const Expanded& e) {
+  const bool one_d = a.weight.dim() == 3;
+  const auto zeros_like = [one_d](const at::Tensor& t) {
+    return one_d ? at::zeros_like(t.unsqueeze(2)).squeeze(2) : at::zeros_like(t);
+  };
   at::Tensor gi, gw, gb;
-  if (a.output_mask[0]) gi = at::zeros_like(a.input);
-  if (a.output_mask[1]) gw = at::zeros_like(a.weight);
+  if (a.output_mask[0]) gi = zeros_like(one_d ? a.input.contiguous() : a.input);
+  if (a.output_mask[1]) gw = zeros_like(a.weight);
   if (a.output_mask[2]) {
     gb = at::zeros(a.bias_sizes.has_value() ? a.bias_sizes->vec() : std::vector<int64_t>{e.c_out}, a.weight.options());
   }
@@ -797,13 +834,14 @@ Result compiled_backward(const Args& a) {
     case LayerClass::Kn2row3d:
       if (a.grad_output.is_cpu()) return gemm_backward(a, e, GemmAlgorithm::Kn2row);
       break;
+    case LayerClass::BiasOnly:
+      return {at::Tensor(), at::Tensor(), a.output_mask[2] ? grad_bias(a.grad_output) : at::Tensor()};
     case LayerClass::DeadTaps:
       return upcast_backward(a, depth_without_full_row(a, e) ? at::kDouble : at::kFloat);
     case LayerClass::SmallPlanes:
     case LayerClass::Kn2row:
     case LayerClass::Dense:
     case LayerClass::Transposed:
-    case LayerClass::NoOutputChannels:
       break;
     case LayerClass::Count:
       TORCH_INTERNAL_ASSERT(false, "convolution_backward[compiled]: unhandled layer class ", static_cast<int>(cls));

@@ -106,6 +106,8 @@ def test_bench_vmap_script_runs():
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
+    assert lines[0].startswith("cpu: "), lines  # the machine header (aten_override._machine) comes first
+    lines = lines[next(i for i, line in enumerate(lines) if line.startswith("batch")):]
     assert lines[0].split() == ["batch", "backend", "aten_us", "backend_us", "ratio", "calls_served", "max_abs_err"]
     rows = [line.split() for line in lines[1:] if line.split() and line.split()[0].isdigit()]
     assert [r[1] for r in rows] == BACKENDS

@@ -28,6 +28,8 @@ __all__ = [
     "ConvolutionBackwardArgs",
     "FLOATING_DTYPES",
     "check_args",
+    "is_empty_call",
+    "needs_weight_or_input",
     "native_backend",
     "output_memory_format",
     "empty_like_native",
@@ -196,13 +198,42 @@ def _fail(backend: str, message: str) -> None:
     raise RuntimeError(f"{OP}[{backend}]: {message}")
 
 
+def is_empty_call(args: ConvolutionBackwardArgs) -> bool:
+    """Whether upstream serves the call with its ``Empty`` backend: a zero batch or zero input
+    channels (``input.size(0) == 0 or input.size(1) == 0``, ``_select_conv_backend``). It returns
+    zeros shaped like ``input``, ``weight`` and ``bias_sizes`` and reads nothing of ``grad_output``
+    but its number of dims."""
+    return args.input.dim() >= 2 and (args.input.size(0) == 0 or args.input.size(1) == 0)
+
+
+def needs_weight_or_input(args: ConvolutionBackwardArgs) -> bool:
+    """Whether ``output_mask`` asks for ``grad_input`` or ``grad_weight``. When it does not, the call
+    needs nothing but ``grad_output`` (``grad_bias`` is its sum over every dim but 1, or nothing is
+    requested): upstream computes no convolution then, and checks nothing of ``grad_output``'s sizes."""
+    return bool(args.output_mask[0]) or bool(args.output_mask[1])
+
+
 def check_args(args: ConvolutionBackwardArgs, backend: str) -> ConvolutionBackwardArgs:
     """Validate one call as upstream does, with messages that name the op, the backend and the values.
 
-    Mirrors the checks of ``at::native::convolution_backward`` (``check_shape_backward``,
-    ``ConvParams``) in aten/src/ATen/native/Convolution.cpp, and adds the ones upstream leaves to
-    the backend (``grad_output``'s spatial size, its batch and channel count, mixed dtypes and
-    devices), where upstream's error is an opaque oneDNN message.
+    Mirrors, in upstream's order, the checks of ``at::native::convolution_backward`` in
+    aten/src/ATen/native/Convolution.cpp: ``ConvParams`` (list lengths), ``check_shape_backward``
+    (``check_shape_forward`` without the bias: signs of the params, ``groups > 0``, ``weight.size(0)``
+    at least and a multiple of ``groups``, channel counts, the kernel fitting the padded input),
+    ``input.dim() == grad_output.dim()`` and no ``output_padding`` on regular convolutions. A call
+    with a zero batch or zero input channels (:func:`is_empty_call`) is then valid: upstream's
+    ``Empty`` backend returns zeros without reading ``grad_output``'s sizes, dtype or device, so
+    nothing more is checked. Otherwise this adds the checks upstream leaves to the backend, where
+    its error is an opaque oneDNN message (``grad_output``'s batch, channel count and spatial size,
+    mixed dtypes and devices, ``output_padding`` against stride and dilation), and upstream's "only
+    zero batch or zero channel inputs" for other zero-size inputs. A call that asks for neither
+    ``grad_input`` nor ``grad_weight`` (:func:`needs_weight_or_input`) needs only ``grad_output``
+    and is not checked further; otherwise a weight with zero output channels or a zero kernel size
+    is rejected, as upstream's backends reject it (with messages such as "non-empty 2D or 4D weight
+    tensor expected" or oneDNN's "could not create a primitive descriptor").
+
+    Deliberately stricter than upstream: ``dilation`` must be positive (upstream's float32 paths
+    accept 0 and return a result; float64 raises).
 
     Returns:
         ``args.expanded()``.
@@ -220,16 +251,6 @@ def check_args(args: ConvolutionBackwardArgs, backend: str) -> ConvolutionBackwa
             backend,
             f"expected input and grad_output to be {k}-dimensional like weight {list(w.shape)}, "
             f"got input of size {list(x.shape)} and grad_output of size {list(go.shape)}",
-        )
-    if not (go.dtype == x.dtype == w.dtype):
-        _fail(
-            backend,
-            f"grad_output, input and weight must have the same dtype, got {go.dtype}, {x.dtype} and {w.dtype}",
-        )
-    if not (go.device == x.device == w.device):
-        _fail(
-            backend,
-            f"grad_output, input and weight must be on the same device, got {go.device}, {x.device} and {w.device}",
         )
     if len(args.output_mask) != 3:
         _fail(backend, f"output_mask must have 3 entries, got {list(args.output_mask)}")
@@ -254,15 +275,13 @@ def check_args(args: ConvolutionBackwardArgs, backend: str) -> ConvolutionBackwa
     groups = a.groups
     if groups <= 0:
         _fail(backend, f"expected groups to be greater than 0, but got groups={groups}")
+    c_in = x.size(1)
+    role = "C_in" if a.transposed else "C_out"
+    if w.size(0) < groups:
+        _fail(backend, f"{role} ({w.size(0)}) = weight.size(0) of weight {list(w.shape)} must be at least groups ({groups})")
+    if w.size(0) % groups:
+        _fail(backend, f"groups ({groups}) must divide {role} ({w.size(0)}) = weight.size(0) of weight {list(w.shape)}")
     if not a.transposed:
-        if any(p != 0 for p in a.output_padding):
-            _fail(
-                backend,
-                f"output_padding is not supported for non-transposed convolutions; got output_padding={a.output_padding}",
-            )
-        c_out, c_in = w.size(0), x.size(1)
-        if c_out % groups != 0:
-            _fail(backend, f"groups ({groups}) must divide C_out ({c_out}) = weight.size(0) of weight {list(w.shape)}")
         if c_in != w.size(1) * groups:
             _fail(
                 backend,
@@ -270,16 +289,53 @@ def check_args(args: ConvolutionBackwardArgs, backend: str) -> ConvolutionBackwa
                 f"weight.size(1) * groups = {w.size(1) * groups}"
                 + (f"; groups ({groups}) must divide C_in ({c_in})" if c_in % groups else ""),
             )
+        padded = [i + 2 * p for i, p in zip(x.shape[2:], a.padding)]
+        kernel = [dd * (kk - 1) + 1 for kk, dd in zip(w.shape[2:], a.dilation)]
+        if any(pi < ki for pi, ki in zip(padded, kernel)):
+            _fail(
+                backend,
+                f"calculated padded input size per channel: {padded}, dilated kernel size: {kernel}; "
+                "kernel size can't be greater than actual input size",
+            )
+        if any(p != 0 for p in a.output_padding):
+            _fail(
+                backend,
+                f"output_padding is not supported for non-transposed convolutions; got output_padding={a.output_padding}",
+            )
+        c_out = w.size(0)
     else:
-        c_in = x.size(1)
         if c_in != w.size(0):
             _fail(
                 backend,
                 f"transposed: input has C_in ({c_in}) channels but weight {list(w.shape)} expects weight.size(0) = {w.size(0)}",
             )
-        if c_in % groups != 0:
-            _fail(backend, f"groups ({groups}) must divide C_in ({c_in})")
         c_out = w.size(1) * groups
+    if is_empty_call(a):
+        return a
+    if not (go.dtype == x.dtype == w.dtype):
+        _fail(
+            backend,
+            f"grad_output, input and weight must have the same dtype, got {go.dtype}, {x.dtype} and {w.dtype}",
+        )
+    if not (go.device == x.device == w.device):
+        _fail(
+            backend,
+            f"grad_output, input and weight must be on the same device, got {go.device}, {x.device} and {w.device}",
+        )
+    if any(s == 0 for s in x.shape[2:]):
+        _fail(
+            backend,
+            f"input {list(x.shape)} has a zero spatial size; only zero batch or zero channel inputs are supported",
+        )
+    if not needs_weight_or_input(a):
+        return a
+    if c_out == 0 or 0 in w.shape[2:]:
+        _fail(
+            backend,
+            f"weight {list(w.shape)} has zero output channels or a zero kernel size; with a non-empty input "
+            f"{list(x.shape)} only grad_bias can be computed (output_mask={list(a.output_mask)})",
+        )
+    if a.transposed:
         for i, (op, s, dd) in enumerate(zip(a.output_padding, a.stride, a.dilation)):
             if op >= s and op >= dd:
                 _fail(
@@ -291,20 +347,6 @@ def check_args(args: ConvolutionBackwardArgs, backend: str) -> ConvolutionBackwa
         _fail(backend, f"grad_output batch size ({go.size(0)}) does not match input batch size ({x.size(0)})")
     if go.size(1) != c_out:
         _fail(backend, f"grad_output has {go.size(1)} channels, expected C_out = {c_out} for weight {list(w.shape)}")
-    if any(s == 0 for s in x.shape[2:]):
-        _fail(
-            backend,
-            f"input {list(x.shape)} has a zero spatial size; only zero batch or zero channel inputs are supported",
-        )
-    if not a.transposed:
-        padded = [i + 2 * p for i, p in zip(x.shape[2:], a.padding)]
-        kernel = [dd * (kk - 1) + 1 for kk, dd in zip(w.shape[2:], a.dilation)]
-        if any(pi < ki for pi, ki in zip(padded, kernel)):
-            _fail(
-                backend,
-                f"calculated padded input size per channel: {padded}, dilated kernel size: {kernel}; "
-                "kernel size can't be greater than actual input size",
-            )
     expected = expected_output_spatial(a)
     if any(e <= 0 for e in expected):
         _fail(backend, f"computed output size {expected} is too small for input {list(x.shape)} and weight {list(w.shape)}")

@@ -27,7 +27,8 @@ small-planes         native   grouped / one-channel with under 64 output element
 dense                native   dense 1-D/2-D layers, and what the GEMM classes below leave to native:
                               native is near the hardware limit there, or as fast
 transposed           native   no compiled kernel yet
-no-output-channels   native   ``C_out == 0``
+bias-only            sum      ``output_mask`` asks for neither grad_input nor grad_weight: grad_bias is
+                              grad_output's sum (whatever the weight: zero output channels or kernel size too)
 pointwise            gemm     1x1, no padding, ``groups == 1``, at least 512 grad_output elements
                               (smaller pointwise and 3-D layers: dense), where native picks oneDNN (its backward
                               reaches 4-17% of peak): plain GEMMs on views (``csrc/cpu/gemm.cpp``);

@@ -35,6 +35,8 @@ from .args import (
     ConvolutionBackwardArgs,
     FLOATING_DTYPES,
     check_args,
+    is_empty_call,
+    needs_weight_or_input,
     onednn_defect,
     empty_like_native,
     native_backend,
@@ -49,7 +51,6 @@ NAME = "python"
 # copied once, into (G, N*Y, C*K).
 _IM2COL_CHUNK_ELEMENTS = 1 << 26
 
-_EMPTY_BACKENDS = {torch._C._ConvBackend.Empty, torch._C._ConvBackend.MkldnnEmpty}
 # oneDNN's convolution backends; 2.13's torch._C._ConvBackend has no member for 9 (MkldnnTranspose).
 _ONEDNN = frozenset({int(torch._C._ConvBackend.Mkldnn), 9})
 _SLOW_TRANSPOSED = frozenset(
@@ -327,11 +328,13 @@ def convolution_backward(args: ConvolutionBackwardArgs) -> tuple[torch.Tensor | 
             :func:`args.check_args`).
     """
     a = check_args(args, NAME)
-    mask = a.output_mask
-    backend = native_backend(a)
-    if backend in _EMPTY_BACKENDS:
+    if is_empty_call(a):
         return _empty_backward(a)
+    mask = a.output_mask
     dtype = a.grad_output.dtype
+    if not needs_weight_or_input(a):
+        return None, None, _grad_bias(a.grad_output, _compute_dtype(dtype)) if mask[2] else None
+    backend = native_backend(a)
     fmt = output_memory_format(a, backend)
     gi = gw = gb = None
     if mask[0]:
@@ -366,16 +369,24 @@ def _grad_bias(grad_output: torch.Tensor, cdtype: torch.dtype) -> torch.Tensor:
 
 
 def _empty_backward(a: ConvolutionBackwardArgs) -> tuple[torch.Tensor | None, ...]:
-    """Upstream's ``ConvBackend::Empty`` (a zero batch or zero channels): zeros of the right shapes.
-
-    ``grad_bias`` is ``zeros(bias_sizes)``; with ``bias_sizes=None`` upstream aborts the process
-    (it dereferences the empty optional), here it is ``zeros(C_out)`` like a non-empty call.
+    """Upstream's ``ConvBackend::Empty`` (a zero batch or zero input channels): zeros shaped like
+    ``input``, ``weight`` and ``bias_sizes``, whatever ``grad_output``'s sizes (the zero-channel
+    forward drops the bias, so ``grad_output`` may have 0 channels where ``bias_sizes`` is
+    ``[C_out]``). 1-D calls are computed on ``input.contiguous()`` / ``weight`` viewed as 2-D, as
+    upstream's ``view4d`` does. With ``bias_sizes=None`` upstream aborts the process (it
+    dereferences the empty optional); here ``grad_bias`` is ``zeros(C_out)``, ``C_out`` from
+    ``weight`` as for any call.
     """
     mask = a.output_mask
-    gi = torch.zeros_like(a.input) if mask[0] else None
-    gw = torch.zeros_like(a.weight) if mask[1] else None
+    one_d = a.weight.dim() == 3
+
+    def zeros_like(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(t.unsqueeze(2)).squeeze(2) if one_d else torch.zeros_like(t)
+
+    gi = zeros_like(a.input.contiguous() if one_d else a.input) if mask[0] else None
+    gw = zeros_like(a.weight) if mask[1] else None
     gb = None
     if mask[2]:
-        sizes = list(a.bias_sizes) if a.bias_sizes is not None else [a.grad_output.size(1)]
+        sizes = list(a.bias_sizes) if a.bias_sizes is not None else [a.c_out]
         gb = torch.zeros(sizes, dtype=a.weight.dtype, device=a.weight.device)
     return gi, gw, gb

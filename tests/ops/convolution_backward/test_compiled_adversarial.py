@@ -57,7 +57,7 @@ LANES_CASES = {
     "c25,x4,3d,bfloat16": depthwise(25, 4, [8, 9, 10], [3, 3, 3], [2, 2, 2], [1, 1, 1], dtype=torch.bfloat16),
     "c9,x2,2d,float16": depthwise(9, 2, [6, 5], [3, 3], [1, 2], [4, 1], dtype=torch.float16),
     "c20,gi only": depthwise(20, 2, [7, 7], [3, 3], [1, 1], [1, 1], mask=(True, False, False)),
-    "c20,gb only": depthwise(20, 2, [30, 34], [3, 3], [2, 2], [1, 1], mask=(False, False, True)),
+    "c20,gw+gb": depthwise(20, 2, [30, 34], [3, 3], [2, 2], [1, 1], mask=(False, True, True)),
 }
 
 

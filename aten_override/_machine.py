@@ -1,0 +1,184 @@
+r"""What machine this is, and what it can do: the CPU model and its ISA flags (to validate measured
+results against the machine they were measured on) and the measured FLOP peak and memory
+bandwidth (the roofline of the benchmarks).
+
+The peaks are *measured*, not assumed from the clock and the ISA: a CPU's sustained clock under
+AVX-512 load, its FMA units and a VM's share of them are not in ``/proc/cpuinfo``. The FLOP peak of
+a dtype is the best of a few large ``torch.mm`` GEMMs and 3x3 convolutions (the best this torch
+reaches on the machine); the bandwidth is a large ``copy_`` (bytes read + written per second). Both run at
+the caller's thread count (``torch.get_num_threads()``). The GEMM goes to MKL for float32 / float64,
+which on AMD CPUs reaches ~60% of what oneDNN's JIT convolutions do, so a 3x3 convolution forward
+is timed too and the faster of the two is the peak (:data:`FLOP_PROBES`).
+
+Example::
+
+    >>> from aten_override import _machine
+    >>> _machine.cpu_model(), _machine.isa_flags()
+    ('AMD EPYC', ('fma', 'avx2', 'avx512f', 'avx512_vnni', 'avx512_bf16'))
+    >>> print(_machine.header(_machine.measure()))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import re
+from pathlib import Path
+
+import torch
+import torch.utils.benchmark as benchmark
+
+__all__ = [
+    "ISA_FLAGS",
+    "Machine",
+    "cpu_model",
+    "isa_flags",
+    "onednn_version",
+    "FLOP_PROBES",
+    "measure_flops",
+    "measure_bandwidth",
+    "measure",
+    "header",
+]
+
+ISA_FLAGS = ("fma", "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+"""The ``/proc/cpuinfo`` flags that change which kernels oneDNN, MKL and ``csrc/cpu`` can use."""
+
+PEAK_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+_CPUINFO = Path("/proc/cpuinfo")
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    """The value of the first ``name : value`` line of ``/proc/cpuinfo``, or ``None`` (no such line,
+    or no ``/proc/cpuinfo``: not Linux)."""
+    try:
+        text = _CPUINFO.read_text()
+    except OSError:
+        return None
+    m = re.search(rf"^{re.escape(name)}\s*:\s*(.*)$", text, re.MULTILINE)
+    return m.group(1).strip() if m else None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``model name`` of ``/proc/cpuinfo``, e.g. ``"AMD EPYC"``;
+    ``platform.processor()`` where there is no ``/proc/cpuinfo``; ``"unknown"`` if neither says)."""
+    return _cpuinfo_field("model name") or platform.processor() or "unknown"
+
+
+def isa_flags() -> tuple[str, ...]:
+    """The flags of :data:`ISA_FLAGS` this CPU has (``flags`` of ``/proc/cpuinfo``), in the order of
+    :data:`ISA_FLAGS`; empty where there is no ``/proc/cpuinfo``. Two machines with the same
+    :func:`cpu_model` and :func:`isa_flags` run the same kernels."""
+    present = set((_cpuinfo_field("flags") or "").split())
+    return tuple(f for f in ISA_FLAGS if f in present)
+
+
+def onednn_version() -> str | None:
+    """The oneDNN (MKL-DNN) version torch was built with (``"3.12.0"``), from
+    ``torch.__config__.show()``; ``None`` when torch has no oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    m = re.search(r"MKL-DNN v([\w.]+)", torch.__config__.show())
+    return m.group(1) if m else "unknown"
+
+
+FLOP_PROBES = {
+    # name: (statement, shapes of a and b, flops per call)
+    "mm": ("torch.mm(a, b)", ((2048, 2048), (2048, 2048)), 2.0 * 2048**3),
+    # A 3x3 convolution forward: oneDNN's JIT kernels where torch.mm goes to MKL, which on AMD CPUs
+    # reaches ~60% of oneDNN's float32 rate. 8x256x28x28 input, 256 filters, padding 1.
+    "conv3x3": ("F.conv2d(a, b, padding=1)", ((8, 256, 28, 28), (256, 256, 3, 3)), 2.0 * 8 * 256 * 28 * 28 * 256 * 9),
+}
+"""The compute-bound problems :func:`measure_flops` times: ``name: (statement, (a's shape, b's shape),
+flops per call)``."""
+
+
+def measure_flops(dtype: torch.dtype, min_run_time: float = 0.1, repeats: int = 3) -> dict[str, float]:
+    """FLOP/s of each :data:`FLOP_PROBES` problem in ``dtype`` on the CPU: the best of ``repeats``
+    ``blocked_autorange(min_run_time)`` medians, at ``torch.get_num_threads()`` threads. About
+    ``2 * repeats * min_run_time`` seconds. The FLOP peak of ``dtype`` is the largest."""
+    rates = {}
+    for name, (stmt, shapes, flops) in FLOP_PROBES.items():
+        a, b = (torch.randn(shape).to(dtype) for shape in shapes)
+        timer = benchmark.Timer(
+            stmt, globals={"torch": torch, "F": torch.nn.functional, "a": a, "b": b},
+            num_threads=torch.get_num_threads(),
+        )
+        rates[name] = flops / min(timer.blocked_autorange(min_run_time=min_run_time).median for _ in range(repeats))
+    return rates
+
+
+def measure_bandwidth(mib: int = 256, min_run_time: float = 0.2, repeats: int = 3) -> float:
+    """Memory bandwidth in bytes/s: ``dst.copy_(src)`` of ``mib`` MiB (bytes read + written per
+    second), the best of ``repeats`` ``blocked_autorange(min_run_time)`` medians, at
+    ``torch.get_num_threads()`` threads."""
+    src = torch.ones(mib << 18, dtype=torch.float32)  # mib MiB of 4-byte floats
+    dst = torch.empty_like(src)
+    timer = benchmark.Timer("dst.copy_(src)", globals={"dst": dst, "src": src}, num_threads=torch.get_num_threads())
+    best = min(timer.blocked_autorange(min_run_time=min_run_time).median for _ in range(repeats))
+    return 2.0 * src.numel() * src.element_size() / best
+
+
+@dataclasses.dataclass
+class Machine:
+    """The machine a benchmark ran on. Peaks in FLOP/s (per dtype name, ``"float32"``) and bytes/s."""
+
+    cpu_model: str
+    isa_flags: tuple[str, ...]
+    cpu_capability: str
+    torch_version: str
+    onednn_version: str | None
+    threads: int
+    peak_flops: dict[str, float]
+    bandwidth: float
+    peak_flops_source: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Per dtype name, the :data:`FLOP_PROBES` problem that reached ``peak_flops``, or ``"given"``."""
+    bandwidth_source: str = "copy_ of 256 MiB, read + write"
+
+    def peak(self, dtype: torch.dtype) -> float:
+        """Measured FLOP/s for ``dtype``; ``nan`` for a dtype not measured (float16)."""
+        return self.peak_flops.get(_dtype_name(dtype), float("nan"))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def measure(dtypes=PEAK_DTYPES, peak_gflops: float | None = None, bandwidth_gbs: float | None = None) -> Machine:
+    """Describe this machine and measure its peaks at ``torch.get_num_threads()`` threads (a few
+    seconds). ``peak_gflops`` (GFLOP/s, every dtype) and ``bandwidth_gbs`` (GB/s) replace the
+    measurement when given."""
+    peaks, sources = {}, {}
+    for dtype in dtypes:
+        rates = {"given": peak_gflops * 1e9} if peak_gflops else measure_flops(dtype)
+        sources[_dtype_name(dtype)] = best = max(rates, key=rates.get)
+        peaks[_dtype_name(dtype)] = rates[best]
+    return Machine(
+        cpu_model=cpu_model(),
+        isa_flags=isa_flags(),
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        torch_version=torch.__version__,
+        onednn_version=onednn_version(),
+        threads=torch.get_num_threads(),
+        peak_flops=peaks,
+        bandwidth=bandwidth_gbs * 1e9 if bandwidth_gbs else measure_bandwidth(),
+        peak_flops_source=sources,
+        bandwidth_source="given" if bandwidth_gbs else Machine.bandwidth_source,
+    )
+
+
+def header(machine: Machine) -> str:
+    """The lines every benchmark prints first: CPU, ISA, versions, threads and the measured peaks."""
+    peaks = ", ".join(
+        f"{name} {flops / 1e9:.0f} ({machine.peak_flops_source.get(name, '?')})" for name, flops in machine.peak_flops.items()
+    )
+    return "\n".join(
+        [
+            f"cpu: {machine.cpu_model}; flags: {' '.join(machine.isa_flags) or '-'}; "
+            f"torch cpu capability: {machine.cpu_capability}",
+            f"torch {machine.torch_version}, oneDNN {machine.onednn_version or '-'}, {machine.threads} threads",
+            f"FLOP peak (GFLOP/s, the faster of torch.mm 2048^2 and a 3x3 conv): {peaks}; "
+            f"bandwidth {machine.bandwidth / 1e9:.1f} GB/s ({machine.bandwidth_source})",
+        ]
+    )

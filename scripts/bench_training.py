@@ -1,0 +1,387 @@
+#!/usr/bin/env python
+r"""Training-step benchmark of real architectures: native vs ``aten_override.enable("compiled")``.
+
+Builds real-size models from Hugging Face ``transformers`` configs with random init (nothing is
+downloaded) plus one 3-D video network in plain torch, and times one SGD step (forward, loss,
+backward, ``optimizer.step()``) natively and with the compiled backend, *interleaved* in one
+process at a fixed thread count: each round times ``--steps`` steps of each side (median, ms), the
+order of the sides alternating from round to round; the ratio is the median over the rounds of each
+round's compiled / native time, so the machine speeding up or slowing down between rounds (a shared
+VM) cancels out. ``--warmup`` untimed steps per side come first (oneDNN primitive caches,
+allocator).
+
+Then ``--trace-steps`` extra steps per side run under ``aten_override.trace()`` (the minimum over them
+of each time is taken): the convolution backward's share of a step (the sum of the traced
+``convolution_backward`` calls over the traced step's wall time; the tracer's module hooks make that
+step a little slower than an untimed one) and the top 5 conv layers by native backward time, with what served each: native's backend (upstream's choice,
+``Mkldnn``, ``Slow2d``, ...) and the compiled backend's layer class
+(``aten_override.ops.convolution_backward.compiled.layer_class``; ``python -m aten_override info
+--layer-classes``).
+
+Models (``--models``; inputs: ``--batch`` images of ``--image-size`` or clips / audio):
+
+==================== ==================================================================================
+mobilenet_v2         ``MobileNetV2Config()`` (depth multiplier 1.0, 224), 1000 classes, cross entropy
+efficientnet_b0      ``EfficientNetConfig`` with the B0 parameters (width / depth coefficient 1.0, image
+                     size 224, dropout 0.2, hidden_dim 1280; the defaults are B7), cross entropy
+resnet50             ``ResNetConfig()`` (ResNet-50), cross entropy
+convnext_tiny        ``ConvNextConfig()`` (ConvNeXt-T), cross entropy
+wav2vec2_base        ``Wav2Vec2Config(num_hidden_layers=2)``: wav2vec2-base with 2 of its 12 transformer
+                     layers (the conv feature encoder and the conv positional embedding are whole),
+                     ``Wav2Vec2ForCTC`` on 1 s of 16 kHz audio, CTC loss on 10 random tokens
+r2plus1d_18          R(2+1)D-18 in plain torch (``transformers`` has no convolutional video model), the
+                     layer list of torchvision's ``r2plus1d_18`` (Tran et al. 2018), 400 classes, clips
+                     of ``--frames`` x 112 x 112, cross entropy
+==================== ==================================================================================
+
+``--quick`` (under 3 minutes on 2 cores): mobilenet_v2, efficientnet_b0, resnet50 and wav2vec2_base
+at batch 2, 2 threads, 3 rounds of 1 step, 1 traced step per side.
+
+Usage::
+
+    python scripts/bench_training.py --quick
+    python scripts/bench_training.py --models resnet50 efficientnet_b0 --threads 1 2 --csv train.csv
+
+Needs ``transformers`` (``pip install -e '.[bench]'``) for all models but r2plus1d_18.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+import aten_override
+from aten_override import _machine
+from aten_override.ops.convolution_backward import compiled
+from aten_override.ops.convolution_backward.args import ConvolutionBackwardArgs
+from interleave import interleaved  # scripts/interleave.py
+
+
+@dataclasses.dataclass
+class Workload:
+    """A model in train mode and a function computing its loss on fixed random inputs."""
+
+    name: str
+    model: nn.Module
+    loss: Callable[[], torch.Tensor]
+    shape: str  # the input, for the table
+
+
+def _image_classifier(name: str, model: nn.Module, batch: int, size: int) -> Workload:
+    """A ``transformers`` image classifier: ``loss`` is its cross entropy on random labels."""
+    x = torch.randn(batch, 3, size, size)
+    labels = torch.randint(0, model.config.num_labels, (batch,))
+    return Workload(name, model, lambda: model(pixel_values=x, labels=labels).loss, f"{batch}x3x{size}x{size}")
+
+
+def mobilenet_v2(args) -> Workload:
+    from transformers import MobileNetV2Config, MobileNetV2ForImageClassification
+
+    config = MobileNetV2Config(depth_multiplier=1.0, image_size=224, num_labels=1000)
+    return _image_classifier("mobilenet_v2", MobileNetV2ForImageClassification(config), args.batch, args.image_size)
+
+
+def efficientnet_b0(args) -> Workload:
+    from transformers import EfficientNetConfig, EfficientNetForImageClassification
+
+    config = EfficientNetConfig(
+        width_coefficient=1.0, depth_coefficient=1.0, image_size=224, dropout_rate=0.2, hidden_dim=1280, num_labels=1000
+    )
+    return _image_classifier("efficientnet_b0", EfficientNetForImageClassification(config), args.batch, args.image_size)
+
+
+def resnet50(args) -> Workload:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    config = ResNetConfig(num_labels=1000)  # the defaults are ResNet-50
+    return _image_classifier("resnet50", ResNetForImageClassification(config), args.batch, args.image_size)
+
+
+def convnext_tiny(args) -> Workload:
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    config = ConvNextConfig(num_labels=1000)  # the defaults are ConvNeXt-T
+    return _image_classifier("convnext_tiny", ConvNextForImageClassification(config), args.batch, args.image_size)
+
+
+def wav2vec2_base(args) -> Workload:
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    model = Wav2Vec2ForCTC(Wav2Vec2Config(num_hidden_layers=2))
+    audio = torch.randn(args.batch, 16000)  # 1 s at 16 kHz
+    labels = torch.randint(1, model.config.vocab_size, (args.batch, 10))
+    return Workload(
+        "wav2vec2_base", model, lambda: model(input_values=audio, labels=labels).loss, f"{args.batch}x16000"
+    )
+
+
+class Conv2Plus1D(nn.Sequential):
+    """A (2+1)-D convolution: ``1 x 3 x 3`` spatial, batch norm, ReLU, ``3 x 1 x 1`` temporal."""
+
+    def __init__(self, in_planes: int, out_planes: int, mid_planes: int, stride: int = 1):
+        super().__init__(
+            nn.Conv3d(in_planes, mid_planes, (1, 3, 3), stride=(1, stride, stride), padding=(0, 1, 1), bias=False),
+            nn.BatchNorm3d(mid_planes),
+            nn.ReLU(inplace=True),
+            nn.Conv3d(mid_planes, out_planes, (3, 1, 1), stride=(stride, 1, 1), padding=(1, 0, 0), bias=False),
+        )
+
+
+class BasicBlock3d(nn.Module):
+    """R(2+1)D's residual block; ``mid_planes`` keeps the parameters of a full ``3 x 3 x 3`` block."""
+
+    def __init__(self, in_planes: int, planes: int, stride: int):
+        super().__init__()
+        mid = (in_planes * planes * 27) // (in_planes * 9 + 3 * planes)
+        self.conv1 = nn.Sequential(Conv2Plus1D(in_planes, planes, mid, stride), nn.BatchNorm3d(planes), nn.ReLU(True))
+        self.conv2 = nn.Sequential(Conv2Plus1D(planes, planes, mid), nn.BatchNorm3d(planes))
+        self.downsample = None
+        if stride != 1 or in_planes != planes:
+            self.downsample = nn.Sequential(nn.Conv3d(in_planes, planes, 1, stride=stride, bias=False), nn.BatchNorm3d(planes))
+
+    def forward(self, x):
+        residual = x if self.downsample is None else self.downsample(x)
+        return torch.relu(self.conv2(self.conv1(x)) + residual)
+
+
+class R2Plus1D18(nn.Module):
+    """R(2+1)D-18 (torchvision ``r2plus1d_18``'s layers): input ``(N, 3, T, 112, 112)``."""
+
+    def __init__(self, num_classes: int = 400):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv3d(3, 45, (1, 7, 7), stride=(1, 2, 2), padding=(0, 3, 3), bias=False),
+            nn.BatchNorm3d(45),
+            nn.ReLU(True),
+            nn.Conv3d(45, 64, (3, 1, 1), padding=(1, 0, 0), bias=False),
+            nn.BatchNorm3d(64),
+            nn.ReLU(True),
+        )
+        layers, in_planes = [], 64
+        for planes, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            layers.append(nn.Sequential(BasicBlock3d(in_planes, planes, stride), BasicBlock3d(planes, planes, 1)))
+            in_planes = planes
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(512, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.layers(self.stem(x)).mean(dim=(2, 3, 4)))
+
+
+def r2plus1d_18(args) -> Workload:
+    model = R2Plus1D18()
+    clips = torch.randn(args.batch, 3, args.frames, 112, 112)
+    labels = torch.randint(0, 400, (args.batch,))
+    return Workload(
+        "r2plus1d_18", model, lambda: nn.functional.cross_entropy(model(clips), labels),
+        f"{args.batch}x3x{args.frames}x112x112",
+    )
+
+
+MODELS: dict[str, Callable] = {
+    f.__name__: f for f in (mobilenet_v2, efficientnet_b0, resnet50, convnext_tiny, wav2vec2_base, r2plus1d_18)
+}
+QUICK_MODELS = ("mobilenet_v2", "efficientnet_b0", "resnet50", "wav2vec2_base")
+SIDES = ("native", "compiled")
+
+
+def build(name: str, args) -> tuple[Workload, torch.optim.Optimizer]:
+    """The workload (seeded: the same weights and inputs every run) and its SGD optimizer."""
+    torch.manual_seed(0)
+    w = MODELS[name](args)
+    w.model.train()
+    # A small learning rate: thousands of steps on random labels must not diverge to inf / nan.
+    return w, torch.optim.SGD(w.model.parameters(), lr=1e-4, momentum=0.9)
+
+
+def side(name: str):
+    """The context of a side: nothing registered for native, ``enable("compiled")`` for ours."""
+    return aten_override.enable("compiled") if name == "compiled" else contextlib.nullcontext()
+
+
+def step(w: Workload, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad(set_to_none=True)
+    w.loss().backward()
+    opt.step()
+
+
+def timed_steps(w: Workload, opt, name: str, steps: int) -> float:
+    """Median seconds of ``steps`` training steps on side ``name``."""
+    times = []
+    with side(name):
+        for _ in range(steps):
+            start = time.perf_counter()
+            step(w, opt)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_interleaved(w: Workload, opt, rounds: int, steps: int, warmup: int) -> tuple[dict, float]:
+    """({side: median seconds per step}, median over rounds of compiled / native in the same round),
+    after ``warmup`` untimed steps per side."""
+    for name in SIDES:
+        if warmup:
+            timed_steps(w, opt, name, warmup)
+    times, ratios = interleaved(lambda name: timed_steps(w, opt, name, steps), SIDES, rounds, reference="native")
+    return times, ratios["compiled"]
+
+
+@dataclasses.dataclass
+class Layer:
+    """One conv module's backward in a traced step: calls, total microseconds, what served it."""
+
+    calls: int = 0
+    us: float = 0.0
+    served: str = ""
+
+
+def traced_steps(w: Workload, opt, name: str, steps: int) -> tuple[float, dict[str, Layer]]:
+    """(wall seconds of a traced step, {module: Layer}) on side ``name``: the minimum over ``steps``
+    traced steps of the wall time and of each layer's time (on a shared machine noise only adds
+    time). ``served`` is upstream's backend for native, the compiled layer class (and depthwise
+    kernel) for ours."""
+    walls, layers = [], {}
+    for _ in range(steps):
+        with side(name), aten_override.trace(log=False) as t:
+            start = time.perf_counter()
+            step(w, opt)
+            walls.append(time.perf_counter() - start)
+        this_step: dict[str, Layer] = defaultdict(Layer)
+        for call in t.calls:
+            layer = this_step[_short_module(call.module)]
+            layer.calls += 1
+            layer.us += call.time_us or 0.0
+            layer.served = call.native_backend if name == "native" else _compiled_kernel(call)
+        for module, layer in this_step.items():
+            if module not in layers or layer.us < layers[module].us:
+                layers[module] = layer
+    return min(walls), layers
+
+
+def _short_module(module: str | None) -> str:
+    """The module path without the root class name (``ResNetForImageClassification.``)."""
+    return module.split(".", 1)[-1] if module else "<no module>"
+
+
+def _tail(text: str, width: int) -> str:
+    return text if len(text) <= width else "…" + text[-(width - 1):]
+
+
+def _compiled_kernel(call) -> str:
+    """The compiled layer class of a traced call (from tensors of its shapes and strides, not its
+    data), with the depthwise kernel where that class serves it; the fallback reason otherwise."""
+    if call.backend != "compiled":
+        return f"{call.backend} ({call.fallback_reason})"
+    values = {}
+    for key, value in call.args.items():
+        if hasattr(value, "shape"):
+            value = torch.empty_strided(value.shape, value.stride, dtype=getattr(torch, value.dtype))
+        values[key] = value
+    args = ConvolutionBackwardArgs(**values)
+    cls = compiled.layer_class(args)
+    kernel = compiled.depthwise_kernel(args) if cls == "depthwise" else None
+    return f"{cls}/{kernel}" if kernel else cls
+
+
+def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, rounds: int) -> dict:
+    """Print one model's result; return its summary row (times in ms, shares in %)."""
+    shares = {s: 100 * sum(layer.us for layer in traces[s][1].values()) / 1e6 / traces[s][0] for s in SIDES}
+    print(f"\n== {w.name} ({w.shape}), {threads} threads ==")
+    print(
+        f"step: native {times['native'] * 1e3:.1f} ms, compiled {times['compiled'] * 1e3:.1f} ms, "
+        f"ratio {ratio:.2f} (median of {rounds} rounds' ratios)"
+    )
+    print(
+        "conv backward share of a traced step: "
+        + ", ".join(f"{s} {shares[s]:.0f}% of {traces[s][0] * 1e3:.0f} ms" for s in SIDES)
+    )
+    native, ours = traces["native"][1], traces["compiled"][1]
+    print("top 5 conv layers by native backward time:")
+    print(f"  {'layer':58s} {'calls':>5s} {'native ms':>9s} {'upstream':10s} {'compiled ms':>11s} {'class':27s} ratio")
+    for module, layer in sorted(native.items(), key=lambda kv: -kv[1].us)[:5]:
+        o = ours.get(module, Layer(served="-"))
+        r = o.us / layer.us if layer.us else float("nan")
+        print(
+            f"  {_tail(module, 58):58s} {layer.calls:5d} {layer.us / 1e3:9.2f} {layer.served[:10]:10s} "
+            f"{o.us / 1e3:11.2f} {o.served[:27]:27s} {r:5.2f}"
+        )
+    return {
+        "model": w.name, "input": w.shape, "threads": threads,
+        "native_ms": times["native"] * 1e3, "compiled_ms": times["compiled"] * 1e3, "ratio": ratio,
+        "native_conv_bwd_pct": shares["native"], "compiled_conv_bwd_pct": shares["compiled"],
+    }
+
+
+def print_summary(rows: list[dict]) -> None:
+    print(f"\n{'model':16s} {'input':20s} {'threads':>7s} {'native ms':>10s} {'compiled ms':>11s} {'ratio':>6s} "
+          f"{'conv bwd % native':>17s} {'ours':>5s}")
+    for r in rows:
+        print(
+            f"{r['model']:16s} {r['input']:20s} {r['threads']:7d} {r['native_ms']:10.1f} {r['compiled_ms']:11.1f} "
+            f"{r['ratio']:6.2f} {r['native_conv_bwd_pct']:17.0f} {r['compiled_conv_bwd_pct']:5.0f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)}; batch 2, 2 threads, 3 rounds of 1 step, 1 traced step")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), help="default: all (--quick: the quick ones)")
+    p.add_argument("--threads", type=int, nargs="+", help="thread counts, each timed separately (default 1 2; --quick: 2)")
+    p.add_argument("--batch", type=int, help="images / clips / utterances per step (default 8; --quick: 2)")
+    p.add_argument("--image-size", type=int, default=224, help="H = W of the images (pixels)")
+    p.add_argument("--frames", type=int, default=8, help="frames per r2plus1d_18 clip (112x112)")
+    p.add_argument("--rounds", type=int, help="interleaved timing rounds (default 5; --quick: 3)")
+    p.add_argument("--steps", type=int, help="timed steps per side per round (default 2; --quick: 1)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per side before timing")
+    p.add_argument("--trace-steps", type=int, help="traced steps per side, the minimum taken (default 2; --quick: 1)")
+    p.add_argument("--csv", type=Path, help="also write the summary rows as CSV")
+    args = p.parse_args(argv)
+    quick = args.quick
+    args.models = args.models or list(QUICK_MODELS if quick else MODELS)
+    args.threads = args.threads or ([2] if quick else [1, 2])
+    args.batch = args.batch or (2 if quick else 8)
+    args.rounds = args.rounds or (3 if quick else 5)
+    args.steps = args.steps or (1 if quick else 2)
+    args.trace_steps = args.trace_steps or (1 if quick else 2)
+
+    reason = aten_override.availability().get("compiled")
+    if reason:
+        raise SystemExit(f"bench_training: the compiled backend is not available: {reason}")
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        print(_machine.header(_machine.measure()), flush=True)
+        for name in args.models:
+            try:
+                w, opt = build(name, args)
+            except ImportError as e:
+                print(f"\nskipping {name}: {e} (pip install -e '.[bench]')", file=sys.stderr)
+                continue
+            times, ratio = time_interleaved(w, opt, args.rounds, args.steps, args.warmup)
+            traces = {s: traced_steps(w, opt, s, args.trace_steps) for s in SIDES}
+            rows.append(report(w, threads, times, ratio, traces, args.rounds))
+            sys.stdout.flush()
+    print_summary(rows)
+    if args.csv and rows:
+        with args.csv.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""scripts/bench_training.py: the training benchmark runs end to end (not timed) and its models build."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from ..backend_params import REPO, run_python
+
+NO_COMPILED = "compiled kernels not built"
+
+
+def _load_script(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))  # its `from interleave import ...`
+    spec = importlib.util.spec_from_file_location("bench_training", REPO / "scripts" / "bench_training.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_r2plus1d_18_trains_on_a_tiny_clip(monkeypatch):
+    """The plain-torch video model (no transformers needed): a backward on two 2x16x16 clips."""
+    model = _load_script(monkeypatch).R2Plus1D18(num_classes=5)
+    loss = torch.nn.functional.cross_entropy(model(torch.randn(2, 3, 2, 16, 16)), torch.tensor([3, 1]))
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert sum(isinstance(m, torch.nn.Conv3d) for m in model.modules()) == 2 + 16 * 2 + 3  # stem, blocks, downsamples
+
+
+def test_bench_training_prints_a_ratio_row():
+    """``--models resnet50`` at batch 1 on 64x64 images (batch norm needs 2 values
+    per channel: 2x2 at the last stage), one round: the summary has a ratio row and
+    the top-layers table names the compiled layer class of each layer."""
+    pytest.importorskip("transformers", reason="transformers not installed (pip install -e '.[bench]')")
+    import aten_override
+
+    if aten_override.availability()["compiled"]:
+        pytest.skip(NO_COMPILED)
+    proc = run_python(
+        ["scripts/bench_training.py", "--models", "resnet50", "--batch", "1", "--image-size", "64",
+         "--rounds", "1", "--steps", "1", "--warmup", "0", "--threads", "1"],
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("cpu: ") and "FLOP peak" in out, out  # the machine header comes first
+    row = next(line.split() for line in out.splitlines() if line.startswith("resnet50 "))
+    assert row[:3] == ["resnet50", "1x3x64x64", "1"], row
+    assert float(row[5]) > 0, row  # compiled / native
+    assert "top 5 conv layers" in out and ("dense" in out or "pointwise" in out), out

@@ -1,0 +1,26 @@
+"""aten_override._machine: the CPU description and the header every benchmark prints."""
+
+import torch
+
+from aten_override import _machine
+
+
+def test_cpu_model_and_isa_flags():
+    assert isinstance(_machine.cpu_model(), str) and _machine.cpu_model()
+    flags = _machine.isa_flags()
+    assert set(flags) <= set(_machine.ISA_FLAGS)
+    assert list(flags) == [f for f in _machine.ISA_FLAGS if f in flags]  # the order of ISA_FLAGS
+
+
+def test_header_with_given_peaks_measures_nothing():
+    m = _machine.measure(peak_gflops=100, bandwidth_gbs=20)
+    assert m.peak(torch.float32) == 100e9 and m.peak(torch.bfloat16) == 100e9
+    assert m.peak(torch.float16) != m.peak(torch.float16)  # not measured: nan
+    text = _machine.header(m)
+    assert m.cpu_model in text and f"{torch.get_num_threads()} threads" in text
+    assert "float32 100 (given)" in text and "bandwidth 20.0 GB/s (given)" in text
+
+
+def test_measure_flops_is_positive():
+    rates = _machine.measure_flops(torch.float32, min_run_time=0.01, repeats=1)
+    assert set(rates) == set(_machine.FLOP_PROBES) and all(r > 0 for r in rates.values())
