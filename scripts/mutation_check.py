@@ -5,9 +5,11 @@ Takes the correct reference backend
 mutants of :data:`aten_override.testing.mutants.MUTANTS` (each the reference with one plausible
 bug), runs the shipped suite against all of them, in two runs of the ``test`` command:
 
-1. the default profile (``-m "not slow"``: OpInfo samples, error inputs, gradcheck, module
-   training steps, the CI fuzz with its fixed cases);
-2. a short seeded fuzz (``--fuzz 300 --seed 0``),
+1. the default profile (``-m "not slow"``: OpInfo samples, error inputs, module training steps,
+   the CI fuzz with its fixed cases) but gradcheck;
+2. a short seeded fuzz (``--fuzz 300 --seed 0``);
+3. gradcheck (``test_fn_grad``, the rest of the default profile) on the control and the mutants
+   not caught yet (a failing gradcheck takes minutes to write its report),
 
 and prints a table: each mutant, the tests that caught it (or ``MISSED``), and the first failure
 message. The control must pass everything. Exit status 0 only when the control passed and every
@@ -15,7 +17,7 @@ mutant was caught; 1 otherwise; 2 when a run did not produce its report (a crash
 torch's version and the thread count head the output (oneDNN's summation order, hence a correct
 backend's rounding, depends on the CPU).
 
-Not run by CI's default profile (about 10 minutes on 2 cores); ``tests/scripts/test_mutation_check.py``
+Not run by CI's default profile (10-30 minutes on 2 cores); ``tests/scripts/test_mutation_check.py``
 runs it in the slow profile. Examples::
 
     scripts/run.sh python scripts/mutation_check.py
@@ -28,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -36,21 +37,14 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from aten_override._machine import cpu_model  # noqa: E402
 from aten_override.testing.mutants import CONTROL, MUTANTS  # noqa: E402
 
 MUTANTS_MODULE = "aten_override.testing.mutants"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+GRADCHECK = "test_fn_grad"
+"""Run last, only on the mutants nothing else caught: a failing fast gradcheck recomputes the full
+Jacobians in slow mode for its report, one backward per output element (many minutes for the 3-D
+ops, per mutant)."""
 
 
 def run_suite(specs: list[str], extra: list[str], report: str, log: str) -> dict | None:
@@ -90,15 +84,22 @@ def main(argv=None) -> int:
     names = args.mutant or list(MUTANTS)
     specs = [CONTROL] + [f"{MUTANTS_MODULE}:{name}" for name in names]
     backends = [spec.rpartition(":")[2] for spec in specs]
-    runs = {"default profile": [], f"fuzz {args.fuzz}, seed {args.seed}": ["--fuzz", str(args.fuzz), "--seed", str(args.seed)]}
+    runs = {
+        "default profile but gradcheck": ["-k", f"not {GRADCHECK}"],
+        f"fuzz {args.fuzz}, seed {args.seed}": ["--fuzz", str(args.fuzz), "--seed", str(args.seed)],
+        "gradcheck, on the control and the mutants not caught yet": ["-k", GRADCHECK],
+    }
     workdir = args.keep or tempfile.mkdtemp(prefix="mutation_check.")
     os.makedirs(workdir, exist_ok=True)
     failed = {b: [] for b in backends}
     passed = {b: 0 for b in backends}
     messages = {b: [] for b in backends}
     for i, (label, extra) in enumerate(runs.items()):
-        print(f"running the suite ({label}) on {len(specs)} backends; log: {workdir}/run{i}.log", flush=True)
-        report = run_suite(specs, extra, os.path.join(workdir, f"run{i}.json"), os.path.join(workdir, f"run{i}.log"))
+        run_specs = specs
+        if extra[-1] == GRADCHECK:
+            run_specs = [spec for spec, b in zip(specs, backends) if b == backends[0] or not failed[b]]
+        print(f"running the suite ({label}) on {len(run_specs)} backends; log: {workdir}/run{i}.log", flush=True)
+        report = run_suite(run_specs, extra, os.path.join(workdir, f"run{i}.json"), os.path.join(workdir, f"run{i}.log"))
         if report is None:
             return 2
         for b in backends:

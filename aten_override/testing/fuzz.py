@@ -17,9 +17,9 @@ a failing, shrunk example is exactly what failed.
 
 Every run first tries :func:`layout_cases` (hypothesis explicit examples): one call per memory
 format that changes the layout of upstream's outputs (channels_last / channels_last_3d ``input`` or
-``weight``, regular and transposed) and per degenerate ``grad_output`` (expanded, empty batch). Random
-draws hit a channels_last output in only about 1 call in 7, so a layout bug must not depend on the
-seed to be found. Then :func:`value_cases`: values and sizes the small random draws never reach.
+``weight``, regular and transposed) and per degenerate call (expanded ``grad_output``, empty batch,
+zero input channels). Random draws hit a channels_last output in only about 1 call in 7, so a
+layout bug must not depend on the seed to be found. Then :func:`value_cases`: values and sizes the small random draws never reach.
 
 Settings profiles (:func:`fuzz_settings`): ``aten_override-ci`` runs :data:`CI_EXAMPLES` examples,
 derandomized (a CI run is reproducible); with the environment variable :data:`FUZZ_ENV` set to N
@@ -190,7 +190,8 @@ def layout_cases(device: str = "cpu") -> list[ConvolutionBackwardCase]:
 
     Upstream returns channels_last (``_3d``) gradients for each of the first three (the input
     suggests it); the others are the degenerate ``grad_output`` layouts: a stride-0 batch
-    over a non-contiguous input, a stride-0 spatial broadcast, and an empty batch.
+    over a non-contiguous input, a stride-0 spatial broadcast, an empty batch and zero input
+    channels (upstream's Empty backend: zeros, ``grad_bias`` shaped by ``bias_sizes``).
     """
     def case(grad_output, input, weight, *, stride, padding, dilation, transposed=False, output_padding=None,
              groups=1, output_mask=(True, True, True), bias_sizes=None, dtype=torch.float32):
@@ -222,6 +223,10 @@ def layout_cases(device: str = "cpu") -> list[ConvolutionBackwardCase]:
         # 2-D, empty batch: zeros of the right shapes
         case(TensorRecipe((0, 4, 3, 3)), TensorRecipe((0, 2, 3, 3)), TensorRecipe((4, 2, 3, 3)),
              stride=[1, 1], padding=[1, 1], dilation=[1, 1], bias_sizes=[4]),
+        # 2-D, zero input channels: upstream's forward of input (2, 0, 5, 5) by weight (3, 0, 3, 3)
+        # gives a 0-channel output; its backward gives zeros, grad_bias (3,) from bias_sizes
+        case(TensorRecipe((2, 0, 3, 3)), TensorRecipe((2, 0, 5, 5)), TensorRecipe((3, 0, 3, 3)),
+             stride=[1, 1], padding=[0, 0], dilation=[1, 1], bias_sizes=[3]),
     ]
 
 
