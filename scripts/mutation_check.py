@@ -64,8 +64,13 @@ def run_suite(specs: list[str], extra: list[str], report: str, log: str) -> dict
         return json.load(f)
 
 
-def _short(test: str, backend: str) -> str:
-    return test.replace(f"_{backend}_", "_", 1).removeprefix("test_")
+def _short(test: str, backend: str, run: str) -> str:
+    """``test_matches_native_B_convolution_backward_conv1d_cpu_float32`` ->
+    ``matches_native_conv1d_float32``; the fuzzer's test -> ``fuzz (RUN)``."""
+    name = test.removeprefix("test_").replace(f"_{backend}_", "_", 1)
+    for noise in ("convolution_backward_", "memory_format_", "nn_functional_", "nn_", "_cpu"):
+        name = name.replace(noise, "")
+    return f"fuzz ({run})" if name == "matches_native" else name
 
 
 def main(argv=None) -> int:
@@ -76,6 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed of the fuzz run (default 0)")
     parser.add_argument("--json", metavar="FILE", help="also write {backend: {caught_by: [...], messages: [...]}}")
     parser.add_argument("--keep", metavar="DIR", help="keep the runs' logs and reports in DIR")
+    parser.add_argument("-v", "--verbose", action="store_true", help="also the first line of each mutant's first 3 failures")
     args = parser.parse_args(argv)
 
     import torch
@@ -91,9 +97,8 @@ def main(argv=None) -> int:
     }
     workdir = args.keep or tempfile.mkdtemp(prefix="mutation_check.")
     os.makedirs(workdir, exist_ok=True)
-    failed = {b: [] for b in backends}
+    failed: dict[str, list[tuple[str, str]]] = {b: [] for b in backends}  # (test, first line of its failure)
     passed = {b: 0 for b in backends}
-    messages = {b: [] for b in backends}
     for i, (label, extra) in enumerate(runs.items()):
         run_specs = specs
         if extra[-1] == GRADCHECK:
@@ -102,26 +107,31 @@ def main(argv=None) -> int:
         report = run_suite(run_specs, extra, os.path.join(workdir, f"run{i}.json"), os.path.join(workdir, f"run{i}.log"))
         if report is None:
             return 2
+        run = "CI" if i == 0 else label.partition(",")[0] if "fuzz" in label else label
         for b in backends:
             outcome = report["backends"].get(b, {})
             passed[b] += len(outcome.get("passed", []))
-            failed[b] += outcome.get("failed", [])
-            messages[b] += [report["failure_messages"].get(t, "") for t in outcome.get("failed", [])]
+            failed[b] += [(_short(t, b, run), report["failure_messages"].get(t, "")) for t in outcome.get("failed", [])]
 
     control = backends[0]
-    rows = [("mutant", "bug", "caught by", "first failure")]
+    rows = [("mutant", "caught by", "bug")]
     for b in backends:
-        tests = [_short(t, b) for t in failed[b]]
+        tests = [t for t, _ in failed[b]]
         if b == control:
-            caught = "control: " + (f"FAILED {len(tests)}: {', '.join(tests[:3])}" if tests else f"passed ({passed[b]} tests)")
-            bug = "none (the reference)"
+            caught = f"control FAILED {len(tests)}: {', '.join(tests[:3])}" if tests else f"control: passed {passed[b]} tests"
+            bug = "none: the reference"
         else:
-            caught = f"{len(tests)}: {', '.join(tests[:2])}{', ...' if len(tests) > 2 else ''}" if tests else "MISSED"
+            more = f", +{len(tests) - 2}" if len(tests) > 2 else ""
+            caught = f"{len(tests)} tests: {', '.join(tests[:2])}{more}" if tests else "MISSED"
             bug = MUTANTS[b]
-        rows.append((b, bug, caught, (messages[b][0] if messages[b] else "")[:90]))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        rows.append((b, caught, bug))
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
     for r in rows:
-        print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}")
+        print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}")
+    if args.verbose:
+        for b in backends:
+            for test, message in failed[b][:3]:
+                print(f"{b}: {test}: {message}")
 
     missed = [b for b in backends[1:] if not failed[b]]
     control_ok = not failed[control] and passed[control] > 0
@@ -129,7 +139,8 @@ def main(argv=None) -> int:
           f"mutants caught{'; MISSED: ' + ', '.join(missed) if missed else ''}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({b: {"caught_by": failed[b], "messages": messages[b]} for b in backends}, f, indent=1)
+            json.dump({b: {"caught_by": [t for t, _ in failed[b]], "messages": [m for _, m in failed[b]]}
+                       for b in backends}, f, indent=1)
     return 0 if control_ok and not missed else 1
 
 
