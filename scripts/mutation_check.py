@@ -17,7 +17,7 @@ mutant was caught; 1 otherwise; 2 when a run did not produce its report (a crash
 torch's version and the thread count head the output (oneDNN's summation order, hence a correct
 backend's rounding, depends on the CPU).
 
-Not run by CI's default profile (10-30 minutes on 2 cores); ``tests/scripts/test_mutation_check.py``
+Not run by CI's default profile (4-11 minutes on 2 cores, idle / shared); ``tests/scripts/test_mutation_check.py``
 runs it in the slow profile. Examples::
 
     scripts/run.sh python scripts/mutation_check.py
