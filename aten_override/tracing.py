@@ -668,7 +668,12 @@ def _predicted_backend(impl, args: ConvolutionBackwardArgs) -> str:
     if impl.is_aten:
         return impl.name
     try:
-        return impl.select(args)[0].name
+        chosen = impl.select(args)[0].name
+        if chosen == "compiled":
+            from .ops.convolution_backward import compiled
+
+            return f"compiled/{compiled.planned_kernel(args)}"
+        return chosen
     except Exception:  # invalid arguments: the backend itself raises the error
         return impl.name
 

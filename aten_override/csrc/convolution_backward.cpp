@@ -1159,26 +1159,30 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
   return out;
 }
 
-// The kernel that serves a call of class `cls`: the table's, or the tuned one.
+// Whether the table decides for a call of class `cls` (autotune off, deterministic mode, or a class
+// the autotuner does not choose for).
+bool static_choice_only(LayerClass cls, const Args& a) {
+  return !autotuner().enabled.load(std::memory_order_relaxed) || !tunable(cls, a) ||
+      at::globalContext().deterministicAlgorithms();
+}
+
+std::optional<Kernel> tuned_kernel(const Signature& key) {
+  auto& tuner = autotuner();
+  std::shared_lock<std::shared_mutex> lock(tuner.table_mutex);
+  auto it = tuner.table.find(key);
+  if (it == tuner.table.end()) return std::nullopt;
+  return it->second.kernel;
+}
+
+// The kernel that serves a call of class `cls`: the table's, or the tuned one (tuning it first).
 Kernel choose_kernel(const Args& a, const Expanded& e, LayerClass cls) {
   const Kernel static_choice = static_kernel(cls, a);
+  if (static_choice_only(cls, a)) return static_choice;
   auto& tuner = autotuner();
-  if (!tuner.enabled.load(std::memory_order_relaxed) || !tunable(cls, a) ||
-      at::globalContext().deterministicAlgorithms()) {
-    return static_choice;
-  }
   const Signature key = signature(a);
-  {
-    std::shared_lock<std::shared_mutex> lock(tuner.table_mutex);
-    auto it = tuner.table.find(key);
-    if (it != tuner.table.end()) return it->second.kernel;
-  }
+  if (auto kernel = tuned_kernel(key)) return *kernel;
   std::lock_guard<std::mutex> tuning(tuner.tuning_mutex);
-  {
-    std::shared_lock<std::shared_mutex> lock(tuner.table_mutex);
-    auto it = tuner.table.find(key);
-    if (it != tuner.table.end()) return it->second.kernel;  // another thread tuned it meanwhile
-  }
+  if (auto kernel = tuned_kernel(key)) return *kernel;  // another thread tuned it meanwhile
   Tuned tuned = tune(a, e, static_choice);
   tuner.tunings.fetch_add(1, std::memory_order_relaxed);
   tuner.tune_us_total.fetch_add(static_cast<int64_t>(tuned.tune_us), std::memory_order_relaxed);
@@ -1274,6 +1278,17 @@ auto with_aten_args(F f) {
                  stride, padding, dilation, transposed, output_padding, groups, output_mask};
     return f(a);
   };
+}
+
+// The kernel a call will run, without running or tuning it: the table's, the tuned one, or "tuning"
+// when its signature is not tuned yet. (A direct kernel may still hand a call with non-finite
+// values to native.)
+std::string planned_kernel_name(const Args& a) {
+  const Expanded e = check_args(a);
+  const LayerClass cls = classify(a, e);
+  if (static_choice_only(cls, a)) return kernel_name(static_kernel(cls, a), a, e);
+  const auto kernel = tuned_kernel(signature(a));
+  return kernel ? kernel_name(*kernel, a, e) : "tuning";
 }
 
 std::string layer_class_name(const Args& a) {
@@ -1423,6 +1438,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         (std::string("The compiled backend's (grad_input, grad_weight, grad_bias) for the aten arguments ") + args_doc +
          "; None where output_mask is False. Raises RuntimeError 'convolution_backward[compiled]: ...'.").c_str(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("planned_kernel", with_aten_args(planned_kernel_name),
+        "The kernel a call will run (the table's or the tuned one; 'tuning' before its signature is tuned), "
+        "after checking its arguments; runs nothing.");
   m.def("layer_class", with_aten_args(layer_class_name), "The layer class (see layer_classes()) of a call, after checking its arguments.");
   m.def("depthwise_kernel", with_aten_args(depthwise_kernel_name),
         "'channels-in-lanes' or 'per-plane': the CPU kernel (cpu/depthwise.cpp) that computes a call of the depthwise "

@@ -154,6 +154,18 @@ def layer_class(args: ConvolutionBackwardArgs) -> str:
     return _ext.layer_class(*_aten_args(args))
 
 
+def planned_kernel(args: ConvolutionBackwardArgs) -> str:
+    """The kernel (``_C.kernel_names()``; ``depthwise-plane`` / ``depthwise-lanes`` for the depthwise
+    one) that will serve ``args``: the layer-class table's, the autotuner's for a tuned signature, or
+    ``"tuning"`` when its first call will tune it. Runs nothing.
+
+    Raises:
+        RuntimeError: as :func:`layer_class`.
+    """
+    _require()
+    return _ext.planned_kernel(*_aten_args(args))
+
+
 def depthwise_kernel(args: ConvolutionBackwardArgs) -> str | None:
     """Which CPU kernel of ``csrc/cpu/depthwise.cpp`` computes ``args`` when its class is ``depthwise``:
     ``"channels-in-lanes"`` (planes of at most 128 elements, or strided with at most 1,024 grad_output

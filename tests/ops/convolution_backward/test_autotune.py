@@ -254,3 +254,17 @@ def test_candidates_follow_the_layer():
         _OP(*args)
     entry = tuned_entry(args)
     assert "direct" in set(entry["times_us"]) | set(entry["rejected"]), entry
+
+
+def test_profiler_range_names_the_kernel():
+    """While tracing, each call is an ``aten_override::convolution_backward[compiled/<kernel>]`` range:
+    ``compiled/tuning`` on the call that tunes its signature, then the kernel it chose."""
+    args = depthwise_call(16, 8)
+    with aten_override.enable("compiled", autotune=True), aten_override.trace() as t:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            _OP(*args)
+            _OP(*args)
+    names = [e.name for e in prof.events() if e.name.startswith("aten_override::")]
+    kernel = t.calls[1].kernel
+    assert names == ["aten_override::convolution_backward[compiled/tuning]", f"aten_override::convolution_backward[{kernel}]"]
+    assert compiled.planned_kernel(ConvolutionBackwardArgs(*args)) == kernel.removeprefix("compiled/")
