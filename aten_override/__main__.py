@@ -17,6 +17,7 @@ COMMANDS = {
     "run": "run",
     "trace-summary": "trace_summary",
     "test": "test",
+    "tune": "tune",
 }
 
 

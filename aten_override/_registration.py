@@ -342,7 +342,10 @@ def stats() -> dict[str, object]:
     "fallback_reasons": {"python: <reason>": n}}``. ``fallback`` counts calls the requested backend
     handed to the original kernel (they are counted under ``aten`` too). Calls the C++ kernel served
     are merged in; ``"compiled_layer_classes": {class: n}`` counts the compiled backend's calls per
-    layer class (``compiled.LAYER_CLASSES``; ``dense``/``transposed`` ran native by choice)."""
+    layer class (``compiled.LAYER_CLASSES``; ``dense``/``transposed`` ran native by choice),
+    ``"compiled_kernels": {kernel: n}`` per kernel that ran (``native`` where the table or the
+    autotuner chose it), and ``"compiled_tuning": {"signatures": n, "us": t}`` what tuning cost
+    (microseconds), when any signature was tuned."""
     with _state.counts_lock:
         counts = Counter(_state.counts)
         reasons = Counter(_state.fallback_reasons)
@@ -355,10 +358,16 @@ def stats() -> dict[str, object]:
         counts["fallback"] += cpp["fallback"]
         reasons.update({f"compiled: {r}": n for r, n in cpp["fallback_reasons"].items()})
         layer_classes = cpp["layer_classes"]
+        kernels = cpp["kernels"]
+        tuning = {"signatures": cpp["tunings"], "us": cpp["tune_us"]}
     out: dict[str, object] = {k: n for k, n in counts.items() if n}
     out["fallback_reasons"] = dict(reasons)
     if layer_classes:
         out["compiled_layer_classes"] = dict(layer_classes)
+    if ext is not None and kernels:
+        out["compiled_kernels"] = dict(kernels)
+    if ext is not None and tuning["signatures"]:
+        out["compiled_tuning"] = tuning
     return out
 
 

@@ -7,9 +7,11 @@ Modelled on ``torch.nn.attention.sdpa_kernel``: saves the previous state, restor
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 from . import _registration
+from . import autotune as _autotune
 from .backends import BackendLike, implementation
 from .compile_bypass import bypass_reasons
 
@@ -38,6 +40,15 @@ class enable(contextlib.ContextDecorator):
         - Calls a backend does not support fall back to the original kernel; the reason is
           recorded (:func:`aten_override.stats`, :func:`aten_override.trace`).
 
+        autotune: how the compiled backend picks a kernel per call signature (``"compiled"`` and
+            ``"auto"`` only): ``True`` (time the candidate kernels on the first call of each
+            signature, keep the fastest that matches native, native unless one beats it by 3%),
+            ``False`` (the layer-class table decides), or a results-file path (tune, reading its
+            valid entries on entering and writing them on leaving). ``None`` (default): the
+            ``ATEN_OVERRIDE_AUTOTUNE`` environment variable (``0``, ``1`` or a path), else ``True``.
+            Under ``torch.use_deterministic_algorithms(True)`` the table decides either way. See
+            :mod:`aten_override.autotune`.
+
     Raises:
         ValueError: unknown backend name.
         RuntimeError: the backend is unavailable (e.g. compiled kernels not built), with the reason.
@@ -49,8 +60,10 @@ class enable(contextlib.ContextDecorator):
         ...     loss.backward()  # every convolution's backward ran in the python backend
     """
 
-    def __init__(self, backend: BackendLike = "auto"):
+    def __init__(self, backend: BackendLike = "auto", *, autotune: bool | str | os.PathLike | None = None):
         self.impl = implementation(backend)
+        self.autotune = _autotune.setting(autotune)
+        self._autotune_previous: list[bool | None] = []
         # Tokens of one enable object are interchangeable (they push the same backend), so a plain
         # list works across threads: entered in one thread, left in another, or used as a decorator
         # concurrently. list.append / list.pop are atomic under the GIL.
@@ -59,7 +72,12 @@ class enable(contextlib.ContextDecorator):
     def __enter__(self):
         for reason in bypass_reasons():
             warnings.warn(f"aten_override.enable({self.impl.name!r}): {reason}", stacklevel=2)
-        self._tokens.append(_registration.push(self.impl))
+        self._autotune_previous.append(_autotune.apply(self.autotune) if self._tunes else None)
+        try:
+            self._tokens.append(_registration.push(self.impl))
+        except BaseException:
+            _autotune.restore(self.autotune, self._autotune_previous.pop())
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -67,7 +85,15 @@ class enable(contextlib.ContextDecorator):
             token = self._tokens.pop()
         except IndexError:
             raise RuntimeError(f"{self!r} exited more often than entered") from None
-        _registration.pop(token)
+        try:
+            _registration.pop(token)
+        finally:
+            _autotune.restore(self.autotune, self._autotune_previous.pop())
+
+    @property
+    def _tunes(self) -> bool:
+        """Whether this backend's calls can reach the compiled backend's kernel choice."""
+        return self.impl.name in ("compiled", "auto")
 
     def __repr__(self) -> str:
         return f"aten_override.enable({self.impl.name!r})"

@@ -140,6 +140,13 @@ class CallRecord:
     timer: str
     verify: Verification | None = None
     error: str | None = None
+    kernel: str | None = None  # the compiled backend's kernel: "compiled/depthwise-lanes", "compiled/native"
+    tuning: dict | None = None  # on the call that tuned its signature: {"times_us": {...}, "rejected": {...}}
+
+    @property
+    def served_by(self) -> str:
+        """The backend, or the compiled backend's kernel (``compiled/gemm-im2col``)."""
+        return self.kernel or self.backend
 
     @property
     def fallback(self) -> bool:
@@ -512,6 +519,8 @@ class trace(contextlib.ContextDecorator):
         if decision is not None:
             record.outputs = [self._describe(t) for t in result]
             record.backend, record.fallback_reason = decision.backend, decision.reason
+            if decision.backend == "compiled":
+                record.kernel, record.tuning = _compiled_kernel()
             if self.verify:
                 record.verify = self._verify(keyset, aten_args, args, result, decision)
         self._add(record, events)
@@ -641,12 +650,30 @@ class trace(contextlib.ContextDecorator):
         return self.format()
 
 
+def _compiled_kernel() -> tuple[str | None, dict | None]:
+    """The kernel the compiled backend's last call in this thread ran and, if that call tuned its
+    signature, every candidate's median time (microseconds) and why the others could not win."""
+    from .ops.convolution_backward import compiled
+
+    ext = compiled.extension()
+    if ext is None:
+        return None, None
+    last = ext.last_call()
+    tuning = {"times_us": dict(last["times_us"]), "rejected": dict(last["rejected"])} if last["tuned"] else None
+    return f"compiled/{last['kernel']}", tuning
+
+
 def _predicted_backend(impl, args: ConvolutionBackwardArgs) -> str:
     """The backend that will serve the call, for the profiler range opened before it runs."""
     if impl.is_aten:
         return impl.name
     try:
-        return impl.select(args)[0].name
+        chosen = impl.select(args)[0].name
+        if chosen == "compiled":
+            from .ops.convolution_backward import compiled
+
+            return f"compiled/{compiled.planned_kernel(args)}"
+        return chosen
     except Exception:  # invalid arguments: the backend itself raises the error
         return impl.name
 
@@ -704,7 +731,7 @@ def _format_value(value) -> str:
 def format_call(c: CallRecord, *, times: bool = True) -> list[str]:
     """The lines of one call: a header (id, module, backend, upstream's choice, time) and the call
     in LoggingTensor style, plus the verification when there is one."""
-    served = c.backend
+    served = c.served_by
     if c.fallback_reason is not None:
         served += f" (fallback from {c.requested}: {c.fallback_reason})"
     header = [f"call {c.id}", c.module or "<no module>", f"backend={served}"]
@@ -714,6 +741,10 @@ def format_call(c: CallRecord, *, times: bool = True) -> list[str]:
         header.append(f"thread={c.thread}")
     if times and c.time_us is not None:
         header.append(f"{c.time_us:.1f}us")
+    if c.tuning is not None:
+        tried = [f"{k} {v:.0f}us" if times else k for k, v in c.tuning["times_us"].items()]
+        tried += [f"{k} ({why})" if times else k for k, why in c.tuning["rejected"].items()]
+        header.append("tuned: " + ", ".join(tried))
     outputs = ", ".join("None" if o is None else str(o) for o in c.outputs)
     args = ", ".join(
         _format_value(v) if name in ("grad_output", "input", "weight") else f"{name}={_format_value(v)}"
@@ -801,7 +832,7 @@ class TraceData:
         threads = {}
         for c in self.calls:
             threads[c.thread_id] = c.thread
-            name = f"convolution_backward[{c.backend}]"
+            name = f"convolution_backward[{c.served_by}]"
             events.append(
                 {
                     "name": name,
@@ -898,7 +929,7 @@ def _table(header: Sequence[str], rows: list[Sequence[str]], right: set[int]) ->
 def _summary(data: TraceData, *, times: bool) -> str:
     groups: dict[tuple, list[CallRecord]] = {}
     for c in data.calls:
-        served = c.backend + (" (fallback)" if c.fallback else "")
+        served = c.served_by + (" (fallback)" if c.fallback else "")
         key = (c.module or "<no module>", _shape(c.args["input"]), _shape(c.args["weight"]), served, c.native_backend or "")
         groups.setdefault(key, []).append(c)
     rows = []

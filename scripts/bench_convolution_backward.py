@@ -16,6 +16,10 @@ a 256 MiB copy), and printed first with the CPU model, its ISA flags and the tor
 ``--peak-gflops`` / ``--bandwidth-gbs`` override them. The peak is the best this torch reaches, not
 the silicon's, so a kernel can exceed 100%.
 
+The compiled backend chooses its kernel as ``ATEN_OVERRIDE_AUTOTUNE`` says (unset: measured per call
+signature, tuned at the result check, before any timing; ``0``: the layer-class table); the
+``compiled class/kernel`` column shows the layer class and the kernel that ran.
+
 Peak memory: the most bytes held by CPU allocations during one call, above what was held before it
 (the profiler's allocation events, ``profile_memory=True``); outputs included.
 
@@ -197,7 +201,10 @@ def main(argv=None) -> int:
             roof = max(case.flops / machine.peak(dtype), case.bytes / machine.bandwidth)
             aten_override.reset_stats()
             call("compiled", case.args) if "compiled" in backends else None
-            layer_class = ",".join(aten_override.stats().get("compiled_layer_classes", {})) or "-"
+            stats = aten_override.stats()
+            # the layer class and the kernel that ran (after tuning, with autotune on: the measured choice)
+            layer_class = ",".join(stats.get("compiled_layer_classes", {})) or "-"
+            layer_class += "/" + (",".join(stats.get("compiled_kernels", {})) or "-")
             for b in backends:
                 mem = peak_bytes(lambda: call(b, case.args))
                 rows.append(
@@ -250,7 +257,7 @@ def measure_overhead(device: str, backends: list[str], rounds: int = 15) -> int:
 
 
 def print_table(rows: list[dict], backends: list[str]) -> None:
-    header = f"{'case':44s} {'class':15s} {'dtype':8s} {'compiled as':12s}"
+    header = f"{'case':44s} {'class':15s} {'dtype':8s} {'compiled class/kernel':26s}"
     for b in backends:
         header += f" | {b:>8s} ms  ratio GFLOP/s roof% peakMB"
     print(header)
@@ -258,7 +265,7 @@ def print_table(rows: list[dict], backends: list[str]) -> None:
     for r in rows:
         by_case.setdefault((r["case"], r["class"], r["dtype"], r["compiled_class"]), {})[r["backend"]] = r
     for (name, cls, dtype, compiled_class), per in by_case.items():
-        line = f"{name[:44]:44s} {cls[:15]:15s} {dtype:8s} {compiled_class[:12]:12s}"
+        line = f"{name[:44]:44s} {cls[:15]:15s} {dtype:8s} {compiled_class[:26]:26s}"
         for b in backends:
             r = per[b]
             line += f" | {r['ms']:11.2f} {r['ratio']:6.2f} {r['gflops']:8.1f} {r['roofline_pct']:5.1f} {r['peak_mb']:6.1f}"

@@ -39,6 +39,7 @@ def main(args) -> int:
     cuda = compiled.cuda_kernels()
     note = "" if cuda == "enabled" else " (CUDA calls of the compiled backend run the original kernel)"
     print(f"compiled CUDA kernels (depthwise class): {cuda}{note}")
+    _print_autotune(compiled)
     from ..tracing import current_flags
 
     # What upstream's backend choice depends on; read again at every backward call.
@@ -63,3 +64,21 @@ def _print_layer_classes(classes) -> None:
         print(f"{name:<{width}}  {kernel:<{kernel_width}}  {lines[0]}")
         for line in lines[1:]:
             print(indent + line)
+
+
+def _print_autotune(compiled) -> None:
+    """The compiled backend's kernel choice: measured or the table, and the results file, if any."""
+    import os
+
+    from .. import autotune
+
+    if compiled.extension() is None:
+        return
+    setting = autotune.setting()
+    source = f"{autotune.ENV}={os.environ[autotune.ENV]!r}" if autotune.ENV in os.environ else "default"
+    mode = "measured per call signature" if setting.enabled else "the layer-class table"
+    print(f"compiled kernel choice: {mode} ({source}; the table under torch.use_deterministic_algorithms)")
+    if setting.path is not None:
+        f = autotune.file_info(setting.path)
+        state = "valid" if f["valid"] else f"ignored: {f['why']}"
+        print(f"autotune results file: {f['path']}: {f['entries']} entries, {state}")

@@ -1,7 +1,7 @@
 """``run``: run an unedited program with ``aten::convolution_backward`` overridden (and traced).
 
-    python -m aten_override run [--backend B] [--trace FILE] [--verify] script.py ARGS...
-    python -m aten_override run [--backend B] [--trace FILE] [--verify] -m package.module ARGS...
+    python -m aten_override run [--backend B] [--autotune on|off|FILE] [--trace FILE] [--verify] script.py ARGS...
+    python -m aten_override run [--backend B] [--autotune on|off|FILE] [--trace FILE] [--verify] -m package.module ARGS...
 
 The program runs in this process through :mod:`runpy`, as ``python script.py`` / ``python -m``
 would run it: ``sys.argv`` is ``[script, *ARGS]`` (``-m``: the module's file, as Python sets it),
@@ -30,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=Backend.AUTO.value,
         choices=[b.value for b in Backend],
         help="backend serving aten::convolution_backward (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--autotune",
+        metavar="on|off|FILE",
+        help="the compiled backend's kernel choice: time candidates per call signature (on), the layer-class "
+        "table (off), or on with a results file read at start and written at exit (default: "
+        "$ATEN_OVERRIDE_AUTOTUNE, else on)",
     )
     parser.add_argument("--trace", metavar="FILE", help="record every call and save the trace as JSON to FILE")
     parser.add_argument(
@@ -137,7 +144,7 @@ def main(args) -> int:
     tracer = trace(verify=args.verify, ops=args.trace_ops, log=False) if tracing else None
     code = 1
     try:
-        with enable(args.backend):
+        with enable(args.backend, autotune=args.autotune):
             if tracer is None:
                 code = _run_program(args)
             else:

@@ -13,15 +13,21 @@
 #include <c10/core/GradMode.h>
 #include <torch/extension.h>
 #include <torch/library.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 namespace aten_override {
@@ -127,6 +133,26 @@ constexpr LayerClassInfo kLayerClasses[] = {
 };
 static_assert(sizeof(kLayerClasses) / sizeof(kLayerClasses[0]) == static_cast<size_t>(LayerClass::Count));
 
+// The kernels a call can be served by (a layer class names the static choice; see choose_kernel).
+enum class Kernel : int {
+  Native = 0,    // the original kernel
+  Zeros,         // upstream's Empty backend (empty_backward)
+  Sum,           // grad_bias alone
+  Upcast,        // native in float32 / float64 (the dead-taps class)
+  Depthwise,     // cpu/depthwise.cpp (plane by plane or channels in lanes: depthwise_cpu_kernel)
+  Direct,        // cpu/direct.cpp (grouped, one-channel; depthwise on CUDA)
+  GroupedLanes,  // cpu/grouped.cpp
+  GemmIm2col,    // cpu/gemm.cpp, im2col + GEMM
+  GemmKn2row,    // cpu/gemm.cpp, one GEMM per tap
+  Test,          // a fake candidate for the autotuner's tests (set_test_candidate); never otherwise
+  Count
+};
+
+constexpr const char* kKernelNames[] = {"native", "zeros", "sum", "upcast", "depthwise", "direct",
+                                        "grouped-lanes", "gemm-im2col", "gemm-kn2row", "test"};
+static_assert(sizeof(kKernelNames) / sizeof(kKernelNames[0]) == static_cast<size_t>(Kernel::Count));
+
+
 // Largest (C_in / groups) * (C_out / groups) the direct kernel takes for grouped layers. It does no
 // register blocking over channels, so its cost grows with the channel pairs while native's GEMM paths
 // get better: measured on ResNeXt-50, 4x4 pairs run at 0.27x native's time, 16x16 at 4.7x.
@@ -157,6 +183,7 @@ constexpr int64_t kKn2rowOnednnMinOutputs = int64_t(1) << 18;
 
 struct Counters {
   std::atomic<int64_t> layer_class[static_cast<int>(LayerClass::Count)] = {};
+  std::atomic<int64_t> kernel[static_cast<int>(Kernel::Count)] = {};  // calls each kernel served
   std::atomic<int64_t> served{0};    // calls the registered C++ kernel served in the compiled backend
   std::atomic<int64_t> fallback{0};  // calls it handed to the original kernel
   std::mutex reasons_mutex;
@@ -802,54 +829,389 @@ bool all_finite(const at::Tensor& t) {
   return at::isfinite(t).all().item<bool>();
 }
 
+// --- kernels: the candidates that can serve a call -------------------------------------------------
+//
+// A layer class (classify) names the static choice; the kernels below are what can compute a call.
+// With autotune on (the default; off under torch.use_deterministic_algorithms(True)), the first call
+// of a signature times every candidate that applies on the call's own tensors, checks each against
+// native, and remembers the winner; later calls of that signature take it after one hash lookup.
+
+// The name the tracer and stats show: the depthwise kernel says which of its two walks it takes.
+std::string kernel_name(Kernel k, const Args& a, const Expanded& e) {
+  if (k == Kernel::Depthwise && a.grad_output.is_cpu()) {
+    return std::string(depthwise_cpu_kernel(direct_problem(a, e), a.grad_output.scalar_type())) == "channels-in-lanes"
+        ? "depthwise-lanes"
+        : "depthwise-plane";
+  }
+  return kKernelNames[static_cast<int>(k)];
+}
+
+// The static choice of a layer class.
+Kernel static_kernel(LayerClass cls, const Args& a) {
+  switch (cls) {
+    case LayerClass::Empty: return Kernel::Zeros;
+    case LayerClass::BiasOnly: return Kernel::Sum;
+    case LayerClass::DeadTaps: return Kernel::Upcast;
+    case LayerClass::Depthwise:
+      if (!direct_kernel_serves(cls, a.grad_output)) return Kernel::Native;
+      return a.grad_output.is_cpu() ? Kernel::Depthwise : Kernel::Direct;
+    case LayerClass::Grouped:
+    case LayerClass::OneChannel: return a.grad_output.is_cpu() ? Kernel::Direct : Kernel::Native;
+    case LayerClass::GroupedLanes: return a.grad_output.is_cpu() ? Kernel::GroupedLanes : Kernel::Native;
+    case LayerClass::Pointwise:
+    case LayerClass::GroupedGemm:
+    case LayerClass::Im2col3d: return a.grad_output.is_cpu() ? Kernel::GemmIm2col : Kernel::Native;
+    case LayerClass::Kn2row3d: return a.grad_output.is_cpu() ? Kernel::GemmKn2row : Kernel::Native;
+    case LayerClass::SmallPlanes:
+    case LayerClass::Kn2row:
+    case LayerClass::Dense:
+    case LayerClass::Transposed: return Kernel::Native;
+    case LayerClass::Count: break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "convolution_backward[compiled]: unhandled layer class ", static_cast<int>(cls));
+}
+
+// The autotuner's tests inject a candidate: Slow (native's result, then as long again busy), Wrong
+// (zeros: faster than any kernel, and wrong).
+enum class TestCandidate : int { Off = 0, Slow, Wrong };
+
+std::atomic<TestCandidate>& test_candidate() {
+  static std::atomic<TestCandidate> mode{TestCandidate::Off};
+  return mode;
+}
+
+// Why `k` cannot compute this call (a CPU call of a class the autotuner may choose for), or nullopt.
+// The predicates are what each kernel computes correctly, narrowed where a kernel is known to be far
+// from a win (the direct kernel on many channel pairs), so that tuning stays cheap.
+std::optional<std::string> candidate_unsupported(Kernel k, const Args& a, const Expanded& e) {
+  const auto dtype = a.grad_output.scalar_type();
+  const DirectProblem p = direct_problem(a, e);
+  const bool full = dtype == at::kFloat || dtype == at::kDouble;
+  switch (k) {
+    case Kernel::Native: return std::nullopt;
+    case Kernel::Depthwise:
+      if (p.in_per_group == 1 && p.groups > 1) return std::nullopt;
+      return "not depthwise (groups == C_in > 1)";
+    case Kernel::Direct:
+      if ((p.groups > 1 && p.in_per_group > 1 && p.in_per_group * p.out_per_group <= kDirectMaxChannelPairs) ||
+          (p.groups == 1 && e.c_in == 1)) {
+        return std::nullopt;
+      }
+      return c10::str("not grouped with <= ", kDirectMaxChannelPairs, " channel pairs, nor one input channel");
+    case Kernel::GroupedLanes:
+      if (p.groups > 1 && p.in_per_group > 1 && dtype != at::kHalf && grouped_lanes_applies(p, dtype)) return std::nullopt;
+      return "not grouped with 2-64 channels per group whose tiles fit L2 (float16: not built)";
+    case Kernel::GemmIm2col: {
+      bool pointwise = p.groups == 1;
+      for (int64_t i = 0; i < 3; ++i) pointwise &= p.kernel[i] == 1 && p.padding[i] == 0;
+      if (full || (dtype == at::kBFloat16 && pointwise && gemm_keeps_reduced_dtype(GemmAlgorithm::Im2col, p, 2))) {
+        return std::nullopt;
+      }
+      return "reduced precision outside one-GEMM pointwise layers (float32 copies: twice native's memory)";
+    }
+    case Kernel::GemmKn2row:
+      if (full && kn2row_applies(p)) return std::nullopt;
+      return "not stride 1 with taps in one dim, or reduced precision";
+    case Kernel::Test:
+      if (test_candidate().load() != TestCandidate::Off) return std::nullopt;
+      return "test candidate off";
+    case Kernel::Zeros:
+    case Kernel::Sum:
+    case Kernel::Upcast:
+    case Kernel::Count: break;
+  }
+  return "not a tunable kernel";
+}
+
+// Whether the autotuner may choose for a call of this class: a CPU call computing grad_input or
+// grad_weight of a regular convolution on a path native computes correctly.
+bool tunable(LayerClass cls, const Args& a) {
+  switch (cls) {
+    case LayerClass::Empty:
+    case LayerClass::BiasOnly:
+    case LayerClass::DeadTaps:
+    case LayerClass::Transposed: return false;
+    default: return a.grad_output.is_cpu();
+  }
+}
+
+// Runs kernel `k`; nullopt when it declines the call (the direct kernels on non-finite values: they sum
+// over zero-padded planes, so inf times a padding zero is NaN where native skips the term).
+std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
+  const bool cpu = a.grad_output.is_cpu();
+  switch (k) {
+    case Kernel::Native: {
+      // Some native paths compute (and return) outputs the mask did not ask for: drop them.
+      auto [gi, gw, gb] = call_original(a);
+      return Result{a.output_mask[0] ? gi : at::Tensor(), a.output_mask[1] ? gw : at::Tensor(),
+                    a.output_mask[2] ? gb : at::Tensor()};
+    }
+    case Kernel::Zeros: return empty_backward(a, e);
+    case Kernel::Sum:
+      return Result{at::Tensor(), at::Tensor(), a.output_mask[2] ? grad_bias(a.grad_output) : at::Tensor()};
+    case Kernel::Upcast: return upcast_backward(a, depth_without_full_row(a, e) ? at::kDouble : at::kFloat);
+    case Kernel::Depthwise:
+    case Kernel::Direct:
+    case Kernel::GroupedLanes: {
+      if (cpu && a.output_mask[0] && !all_finite(a.weight)) return std::nullopt;
+      auto result = k == Kernel::GroupedLanes ? grouped_lanes_backward(a, e) : direct_backward(a, e);
+      if (cpu && a.output_mask[1] && !all_finite(std::get<1>(result))) return std::nullopt;
+      return result;
+    }
+    case Kernel::GemmIm2col: return gemm_backward(a, e, GemmAlgorithm::Im2col);
+    case Kernel::GemmKn2row: return gemm_backward(a, e, GemmAlgorithm::Kn2row);
+    case Kernel::Test: {
+      if (test_candidate().load() == TestCandidate::Wrong) {
+        return Result{a.output_mask[0] ? at::zeros_like(a.input) : at::Tensor(),
+                      a.output_mask[1] ? at::zeros_like(a.weight) : at::Tensor(),
+                      a.output_mask[2] ? at::zeros({e.c_out}, a.weight.options()) : at::Tensor()};
+      }
+      const auto start = std::chrono::steady_clock::now();
+      auto result = run_kernel(Kernel::Native, a, e);
+      const auto spent = std::chrono::steady_clock::now() - start;
+      while (std::chrono::steady_clock::now() - start < 2 * spent) {
+      }
+      return result;
+    }
+    case Kernel::Count: break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "convolution_backward[compiled]: unhandled kernel ", static_cast<int>(k));
+}
+
+// --- autotune -----------------------------------------------------------------------------------
+
+// A call's signature: everything a kernel's speed or eligibility depends on. Serialised as
+// comma-separated integers (results files).
+using Signature = std::vector<int64_t>;
+
+Signature signature(const Args& a) {
+  Signature s;
+  s.reserve(64);
+  s.push_back(static_cast<int64_t>(a.grad_output.device().type()));
+  s.push_back(static_cast<int64_t>(a.grad_output.scalar_type()));
+  s.push_back(a.weight.dim());
+  for (const at::Tensor* t : {&a.grad_output, &a.input, &a.weight}) {
+    for (auto v : t->sizes()) s.push_back(v);
+    for (auto v : t->strides()) s.push_back(v);
+  }
+  for (const at::IntArrayRef* l : {&a.stride, &a.padding, &a.dilation, &a.output_padding}) {
+    s.push_back(static_cast<int64_t>(l->size()));
+    for (auto v : *l) s.push_back(v);
+  }
+  s.push_back(a.transposed);
+  s.push_back(a.groups);
+  s.push_back(a.output_mask[0] | (a.output_mask[1] << 1) | (a.output_mask[2] << 2));
+  s.push_back(a.bias_sizes.has_value());
+  s.push_back(at::get_num_threads());
+  return s;
+}
+
+struct SignatureHash {
+  size_t operator()(const Signature& s) const noexcept {
+    uint64_t h = 1469598103934665603ull;
+    for (auto v : s) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+    return static_cast<size_t>(h);
+  }
+};
+
+struct Tuned {
+  Kernel kernel;
+  std::vector<std::pair<std::string, double>> times_us;  // candidate -> median time, microseconds (tuned here)
+  std::vector<std::pair<std::string, std::string>> rejected;  // candidate -> why it could not win
+  double tune_us = 0;                                     // what tuning cost, microseconds (0: loaded)
+};
+
+struct Autotuner {
+  std::atomic<bool> enabled{true};
+  std::shared_mutex table_mutex;
+  std::unordered_map<Signature, Tuned, SignatureHash> table;
+  std::mutex tuning_mutex;  // one tuning at a time: concurrent first calls tune once, timings undisturbed
+  std::atomic<int64_t> tunings{0};
+  std::atomic<int64_t> tune_us_total{0};
+};
+
+Autotuner& autotuner() {
+  static Autotuner t;
+  return t;
+}
+
+// What the last call of this thread ran (the tracer reads it right after the call).
+struct LastCall {
+  std::string kernel;
+  bool tuned = false;  // this call tuned its signature
+  std::vector<std::pair<std::string, double>> times_us;
+  std::vector<std::pair<std::string, std::string>> rejected;
+};
+thread_local LastCall last_call;
+
+double elapsed_us(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Why `ours` is not native's result (shape, strides of dims > 1, or values beyond a few ulps of the
+// result's scale for a different summation order), or nullopt. NaN anywhere native has none fails.
+std::optional<std::string> differs(const Result& ours, const Result& native, const Mask& mask) {
+  const at::Tensor* o[] = {&std::get<0>(ours), &std::get<1>(ours), &std::get<2>(ours)};
+  const at::Tensor* n[] = {&std::get<0>(native), &std::get<1>(native), &std::get<2>(native)};
+  const char* names[] = {"grad_input", "grad_weight", "grad_bias"};
+  for (int i = 0; i < 3; ++i) {
+    if (!mask[i]) continue;
+    if (!o[i]->defined() || !n[i]->defined()) return c10::str(names[i], " missing");
+    if (o[i]->sizes() != n[i]->sizes() || o[i]->scalar_type() != n[i]->scalar_type()) {
+      return c10::str(names[i], " shape or dtype differs");
+    }
+    for (int64_t d = 0; d < o[i]->dim(); ++d) {
+      if (o[i]->size(d) > 1 && o[i]->stride(d) != n[i]->stride(d)) return c10::str(names[i], " strides differ");
+    }
+    if (o[i]->numel() == 0) continue;
+    const auto dtype = o[i]->scalar_type();
+    const double rtol = dtype == at::kDouble ? 1e-10 : dtype == at::kFloat ? 1e-4 : dtype == at::kHalf ? 4e-3 : 3e-2;
+    const at::Tensor ref = n[i]->to(at::kDouble);
+    const double scale = std::max(1.0, ref.abs().max().item<double>());
+    const double err = (o[i]->to(at::kDouble) - ref).abs().max().item<double>();
+    if (!(err <= rtol * scale)) return c10::str(names[i], " max error ", err, " > ", rtol, " x scale ", scale);
+  }
+  return std::nullopt;
+}
+
+// A candidate that is not this much faster than native does not win (timing noise).
+constexpr double kWinMargin = 0.97;
+// Timed rounds after the first run of each candidate; one whose first run takes over kSlowCutoff x the
+// fastest first run is not timed again (tuning costs one run of each candidate plus kRounds runs of
+// the close ones).
+constexpr int kRounds = 2;
+constexpr double kSlowCutoff = 1.5;
+
+Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<Kernel> candidates{Kernel::Native};
+  Tuned out;
+  for (int k = 0; k < static_cast<int>(Kernel::Count); ++k) {
+    const Kernel kernel = static_cast<Kernel>(k);
+    if (kernel == Kernel::Native) continue;
+    if (auto why = candidate_unsupported(kernel, a, e)) {
+      if (kernel == static_choice) candidates.push_back(kernel);  // the table's choice always competes
+      continue;
+    }
+    candidates.push_back(kernel);
+  }
+  std::vector<std::vector<double>> times(candidates.size());
+  std::vector<bool> alive(candidates.size(), true);
+  auto t0 = std::chrono::steady_clock::now();
+  const Result reference = *run_kernel(Kernel::Native, a, e);
+  times[0].push_back(elapsed_us(t0));
+  for (size_t i = 1; i < candidates.size(); ++i) {
+    const std::string name = kernel_name(candidates[i], a, e);
+    t0 = std::chrono::steady_clock::now();
+    auto result = run_kernel(candidates[i], a, e);
+    const double t = elapsed_us(t0);
+    if (!result) {
+      alive[i] = false;
+      out.rejected.emplace_back(name, "declined the call (non-finite values)");
+    } else if (auto why = differs(*result, reference, a.output_mask)) {
+      alive[i] = false;
+      out.rejected.emplace_back(name, "wrong: " + *why);
+    } else {
+      times[i].push_back(t);
+    }
+  }
+  // Only candidates within kSlowCutoff of the fastest first run are timed again (native too: a
+  // candidate that fast beats it by far more than the margin).
+  double fastest = times[0][0];
+  for (size_t i = 1; i < candidates.size(); ++i) {
+    if (alive[i]) fastest = std::min(fastest, times[i][0]);
+  }
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    if (alive[i] && times[i][0] > kSlowCutoff * fastest) {
+      alive[i] = false;
+      out.rejected.emplace_back(
+          kernel_name(candidates[i], a, e), c10::str("slow: ", times[i][0], " us vs ", fastest, " us on the first run"));
+    }
+  }
+  for (int round = 0; round < kRounds; ++round) {
+    for (size_t j = 0; j < candidates.size(); ++j) {
+      const size_t i = round % 2 ? candidates.size() - 1 - j : j;  // every other round in reverse order
+      if (!alive[i]) continue;
+      t0 = std::chrono::steady_clock::now();
+      run_kernel(candidates[i], a, e);
+      times[i].push_back(elapsed_us(t0));
+    }
+  }
+  // Native wins unless a candidate beats it by kWinMargin (or native was too slow to be timed again).
+  out.kernel = Kernel::Native;
+  double best = alive[0] ? median(times[0]) * kWinMargin : std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    if (!alive[i]) continue;
+    const double us = median(times[i]);
+    out.times_us.emplace_back(kernel_name(candidates[i], a, e), us);
+    if (i > 0 && us < best) {
+      best = us;
+      out.kernel = candidates[i];
+    }
+  }
+  out.tune_us = elapsed_us(start);
+  return out;
+}
+
+// Whether the table decides for a call of class `cls` (autotune off, deterministic mode, or a class
+// the autotuner does not choose for).
+bool static_choice_only(LayerClass cls, const Args& a) {
+  return !autotuner().enabled.load(std::memory_order_relaxed) || !tunable(cls, a) ||
+      at::globalContext().deterministicAlgorithms();
+}
+
+std::optional<Kernel> tuned_kernel(const Signature& key) {
+  auto& tuner = autotuner();
+  std::shared_lock<std::shared_mutex> lock(tuner.table_mutex);
+  auto it = tuner.table.find(key);
+  if (it == tuner.table.end()) return std::nullopt;
+  return it->second.kernel;
+}
+
+// The kernel that serves a call of class `cls`: the table's, or the tuned one (tuning it first).
+Kernel choose_kernel(const Args& a, const Expanded& e, LayerClass cls) {
+  const Kernel static_choice = static_kernel(cls, a);
+  if (static_choice_only(cls, a)) return static_choice;
+  auto& tuner = autotuner();
+  const Signature key = signature(a);
+  if (auto kernel = tuned_kernel(key)) return *kernel;
+  std::lock_guard<std::mutex> tuning(tuner.tuning_mutex);
+  if (auto kernel = tuned_kernel(key)) return *kernel;  // another thread tuned it meanwhile
+  Tuned tuned = tune(a, e, static_choice);
+  tuner.tunings.fetch_add(1, std::memory_order_relaxed);
+  tuner.tune_us_total.fetch_add(static_cast<int64_t>(tuned.tune_us), std::memory_order_relaxed);
+  last_call.tuned = true;
+  last_call.times_us = tuned.times_us;
+  last_call.rejected = tuned.rejected;
+  const Kernel kernel = tuned.kernel;
+  std::unique_lock<std::shared_mutex> lock(tuner.table_mutex);
+  tuner.table.emplace(key, std::move(tuned));
+  return kernel;
+}
+
 // The compiled backend's result for a call it serves (unsupported_reason() was nullopt).
 Result compiled_backward(const Args& a) {
   const Expanded e = check_args(a);
   const LayerClass cls = classify(a, e);
   counters().layer_class[static_cast<int>(cls)].fetch_add(1, std::memory_order_relaxed);
-  switch (cls) {
-    case LayerClass::Empty:
-      return empty_backward(a, e);
-    case LayerClass::Depthwise:
-    case LayerClass::Grouped:
-    case LayerClass::OneChannel:
-    case LayerClass::GroupedLanes:
-      if (direct_kernel_serves(cls, a.grad_output)) {
-        // The CPU direct kernels sum over zero-padded planes: an inf in weight (grad_input) or input
-        // (grad_weight) times a padding zero is NaN where native skips the term. A non-finite weight
-        // goes to native up front (it is small); a non-finite grad_weight (input or grad_output had
-        // inf / NaN) is recomputed by native, so such calls give native's values.
-        const bool cpu = a.grad_output.is_cpu();
-        if (cpu && a.output_mask[0] && !all_finite(a.weight)) break;
-        auto result = cls == LayerClass::GroupedLanes ? grouped_lanes_backward(a, e) : direct_backward(a, e);
-        if (cpu && a.output_mask[1] && !all_finite(std::get<1>(result))) break;
-        return result;
-      }
-      break;  // CUDA: no kernel of ours for this class (or CUDA kernels disabled): native
-    case LayerClass::Pointwise:
-    case LayerClass::GroupedGemm:
-    case LayerClass::Im2col3d:
-      if (a.grad_output.is_cpu()) return gemm_backward(a, e, GemmAlgorithm::Im2col);
-      break;  // the GEMM kernels are CPU only
-    case LayerClass::Kn2row3d:
-      if (a.grad_output.is_cpu()) return gemm_backward(a, e, GemmAlgorithm::Kn2row);
-      break;
-    case LayerClass::BiasOnly:
-      return {at::Tensor(), at::Tensor(), a.output_mask[2] ? grad_bias(a.grad_output) : at::Tensor()};
-    case LayerClass::DeadTaps:
-      return upcast_backward(a, depth_without_full_row(a, e) ? at::kDouble : at::kFloat);
-    case LayerClass::SmallPlanes:
-    case LayerClass::Kn2row:
-    case LayerClass::Dense:
-    case LayerClass::Transposed:
-      break;
-    case LayerClass::Count:
-      TORCH_INTERNAL_ASSERT(false, "convolution_backward[compiled]: unhandled layer class ", static_cast<int>(cls));
+  last_call.tuned = false;
+  last_call.times_us.clear();
+  last_call.rejected.clear();
+  Kernel kernel = choose_kernel(a, e, cls);
+  auto result = run_kernel(kernel, a, e);
+  if (!result) {
+    kernel = Kernel::Native;
+    result = run_kernel(kernel, a, e);
   }
-  // Native by choice. Some native paths compute (and return) outputs the mask did not ask for: drop them.
-  auto [gi, gw, gb] = call_original(a);
-  return {a.output_mask[0] ? gi : at::Tensor(), a.output_mask[1] ? gw : at::Tensor(),
-          a.output_mask[2] ? gb : at::Tensor()};
+  counters().kernel[static_cast<int>(kernel)].fetch_add(1, std::memory_order_relaxed);
+  last_call.kernel = kernel_name(kernel, a, e);
+  return *result;
 }
 
 // --- the registered kernel ---------------------------------------------------------------------
@@ -918,6 +1280,17 @@ auto with_aten_args(F f) {
   };
 }
 
+// The kernel a call will run, without running or tuning it: the table's, the tuned one, or "tuning"
+// when its signature is not tuned yet. (A direct kernel may still hand a call with non-finite
+// values to native.)
+std::string planned_kernel_name(const Args& a) {
+  const Expanded e = check_args(a);
+  const LayerClass cls = classify(a, e);
+  if (static_choice_only(cls, a)) return kernel_name(static_kernel(cls, a), a, e);
+  const auto kernel = tuned_kernel(signature(a));
+  return kernel ? kernel_name(*kernel, a, e) : "tuning";
+}
+
 std::string layer_class_name(const Args& a) {
   return kLayerClasses[static_cast<int>(classify(a, check_args(a)))].name;
 }
@@ -944,16 +1317,101 @@ py::dict py_stats() {
   out["fallback"] = c.fallback.load();
   out["fallback_reasons"] = reasons;
   out["layer_classes"] = classes;
+  py::dict kernels;
+  for (int i = 0; i < static_cast<int>(Kernel::Count); ++i) {
+    const int64_t n = c.kernel[i].load();
+    if (n) kernels[kKernelNames[i]] = n;
+  }
+  out["kernels"] = kernels;
+  out["tunings"] = autotuner().tunings.load();
+  out["tune_us"] = autotuner().tune_us_total.load();
   return out;
 }
 
 void py_reset_stats() {
   auto& c = counters();
   for (auto& n : c.layer_class) n.store(0);
+  for (auto& n : c.kernel) n.store(0);
+  autotuner().tunings.store(0);
+  autotuner().tune_us_total.store(0);
   c.served.store(0);
   c.fallback.store(0);
   std::lock_guard<std::mutex> lock(c.reasons_mutex);
   c.fallback_reasons.clear();
+}
+
+// --- autotune bindings: the results table as data (the Python side reads and writes the file) ---
+
+std::string signature_string(const Signature& key) {
+  std::string out;
+  for (size_t i = 0; i < key.size(); ++i) {
+    if (i) out += ',';
+    out += std::to_string(key[i]);
+  }
+  return out;
+}
+
+py::list py_autotune_entries() {
+  py::list out;
+  auto& tuner = autotuner();
+  std::shared_lock<std::shared_mutex> lock(tuner.table_mutex);
+  for (const auto& [key, tuned] : tuner.table) {
+    py::dict times, rejected;
+    for (const auto& [name, us] : tuned.times_us) times[py::str(name)] = us;
+    for (const auto& [name, why] : tuned.rejected) rejected[py::str(name)] = why;
+    out.append(py::make_tuple(signature_string(key), kKernelNames[static_cast<int>(tuned.kernel)], times, rejected,
+                              tuned.tune_us));
+  }
+  return out;
+}
+
+// Adds (signature, kernel name) entries, as autotune_entries() gives them; returns how many were taken
+// (an unknown kernel name or a malformed signature is skipped). Entries already present are kept.
+int64_t py_autotune_load(const std::vector<std::pair<std::string, std::string>>& entries) {
+  auto& tuner = autotuner();
+  int64_t taken = 0;
+  std::unique_lock<std::shared_mutex> lock(tuner.table_mutex);
+  for (const auto& [text, name] : entries) {
+    const auto* found = std::find_if(std::begin(kKernelNames), std::end(kKernelNames),
+                                     [&](const char* n) { return name == n; });
+    if (found == std::end(kKernelNames)) continue;
+    Signature key;
+    size_t pos = 0;
+    bool ok = !text.empty();
+    while (ok && pos <= text.size()) {
+      const size_t comma = std::min(text.find(',', pos), text.size());
+      try {
+        size_t used = 0;
+        key.push_back(std::stoll(text.substr(pos, comma - pos), &used));
+        ok = used == comma - pos;
+      } catch (const std::exception&) {
+        ok = false;
+      }
+      pos = comma + 1;
+    }
+    if (!ok) continue;
+    Tuned tuned;
+    tuned.kernel = static_cast<Kernel>(found - std::begin(kKernelNames));
+    taken += tuner.table.emplace(std::move(key), std::move(tuned)).second;
+  }
+  return taken;
+}
+
+void py_autotune_clear() {
+  auto& tuner = autotuner();
+  std::unique_lock<std::shared_mutex> lock(tuner.table_mutex);
+  tuner.table.clear();
+}
+
+py::dict py_last_call() {
+  py::dict out, times, rejected;
+  for (const auto& [name, us] : last_call.times_us) times[py::str(name)] = us;
+  for (const auto& [name, why] : last_call.rejected) rejected[py::str(name)] = why;
+  out["kernel"] = last_call.kernel;
+  out["tuned"] = last_call.tuned;
+  out["times_us"] = times;
+  out["rejected"] = rejected;
+  return out;
 }
 
 py::list py_layer_classes() {
@@ -980,6 +1438,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         (std::string("The compiled backend's (grad_input, grad_weight, grad_bias) for the aten arguments ") + args_doc +
          "; None where output_mask is False. Raises RuntimeError 'convolution_backward[compiled]: ...'.").c_str(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("planned_kernel", with_aten_args(planned_kernel_name),
+        "The kernel a call will run (the table's or the tuned one; 'tuning' before its signature is tuned), "
+        "after checking its arguments; runs nothing.");
   m.def("layer_class", with_aten_args(layer_class_name), "The layer class (see layer_classes()) of a call, after checking its arguments.");
   m.def("depthwise_kernel", with_aten_args(depthwise_kernel_name),
         "'channels-in-lanes' or 'per-plane': the CPU kernel (cpu/depthwise.cpp) that computes a call of the depthwise "
@@ -1001,4 +1462,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "{'served': n, 'fallback': n, 'fallback_reasons': {reason: n}, 'layer_classes': {class: n}}; served and "
         "fallback count calls of the registered C++ kernel, layer_classes every call the backend computed.");
   m.def("reset_stats", &py_reset_stats);
+  m.def("set_autotune", [](bool on) { autotuner().enabled.store(on); },
+        "Whether the first call of each signature times the candidate kernels (else the layer-class table "
+        "decides); torch.use_deterministic_algorithms(True) makes the table decide either way.");
+  m.def("autotune", []() { return autotuner().enabled.load(); });
+  m.def("set_test_candidate", [](const std::string& mode) {
+        TORCH_CHECK(mode == "off" || mode == "slow" || mode == "wrong", "set_test_candidate: off, slow or wrong");
+        test_candidate().store(mode == "slow" ? TestCandidate::Slow : mode == "wrong" ? TestCandidate::Wrong
+                                                                                      : TestCandidate::Off);
+      },
+      "For the autotuner's tests: add a fake candidate 'test' to every tuning, 'slow' (native's result, taking "
+      "twice as long) or 'wrong' (zeros, fast); 'off' removes it.");
+  m.def("kernel_names", []() { return std::vector<std::string>(std::begin(kKernelNames), std::end(kKernelNames)); });
+  m.def("autotune_entries", &py_autotune_entries,
+        "[(signature, kernel, {candidate: median us}, {candidate: why it could not win}, tuning us)] of the "
+        "results table; times and tuning cost are empty / 0 for loaded entries.");
+  m.def("autotune_load", &py_autotune_load,
+        "Add [(signature, kernel)] entries to the results table; returns how many were taken.");
+  m.def("autotune_clear", &py_autotune_clear, "Forget every tuned signature.");
+  m.def("last_call", &py_last_call,
+        "What the last compiled call of this thread ran: {'kernel', 'tuned', 'times_us', 'rejected'}.");
 }

@@ -109,6 +109,10 @@ except Exception as e:  # noqa: BLE001 - not built, or built against another tor
     _REASON: str | None = f"compiled kernels not built ({type(e).__name__}: {e})"
 else:
     _REASON = None
+    from ... import autotune as _autotune
+
+    # A process-wide default for calls outside enable(): ATEN_OVERRIDE_AUTOTUNE (unset: on).
+    _ext.set_autotune(_autotune.setting().enabled)
 
 LAYER_CLASSES: tuple[tuple[str, str, str], ...] = tuple(_ext.layer_classes()) if _ext is not None else ()
 """``(class, kernel, why)`` rows of the C++ table; empty when the extension is not built."""
@@ -148,6 +152,18 @@ def layer_class(args: ConvolutionBackwardArgs) -> str:
     """
     _require()
     return _ext.layer_class(*_aten_args(args))
+
+
+def planned_kernel(args: ConvolutionBackwardArgs) -> str:
+    """The kernel (``_C.kernel_names()``; ``depthwise-plane`` / ``depthwise-lanes`` for the depthwise
+    one) that will serve ``args``: the layer-class table's, the autotuner's for a tuned signature, or
+    ``"tuning"`` when its first call will tune it. Runs nothing.
+
+    Raises:
+        RuntimeError: as :func:`layer_class`.
+    """
+    _require()
+    return _ext.planned_kernel(*_aten_args(args))
 
 
 def depthwise_kernel(args: ConvolutionBackwardArgs) -> str | None:

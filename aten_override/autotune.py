@@ -1,0 +1,237 @@
+r"""Measured kernel choice of the compiled backend: the setting, and the results file.
+
+The compiled backend can serve a call with several kernels (``candidates``: native itself, the
+depthwise, direct, grouped-lanes and GEMM kernels of ``csrc/cpu``, each with a predicate of what it
+computes). With autotune on, the first call of a *signature* (sizes, strides, dtype, ``output_mask``,
+stride / padding / dilation / groups, bias, the thread count) times every candidate that applies on
+the call's own tensors (one run each, then two interleaved rounds of those within 1.5x of the
+fastest, median), checks each against native's result, and remembers the winner; a candidate must
+beat native by 3% to win. Later calls of that signature take the winner after one hash lookup in
+C++. With autotune off, or under ``torch.use_deterministic_algorithms(True)``, the layer-class table
+decides (no timing), so results do not depend on machine load.
+
+As ``torch.cuda.tunable`` does for GEMMs, the results can live in a file: entries keyed by
+signature, with a header that must match this process (torch and oneDNN versions, CPU model and
+ISA flags, the extension's build id) or the whole file is ignored, saying why.
+
+Settings (``enable("compiled", autotune=...)``, or ``ATEN_OVERRIDE_AUTOTUNE`` when not given):
+
+- ``True`` / ``"1"`` (the default): tune in memory, for this process;
+- ``False`` / ``"0"``: the layer-class table decides;
+- a path (``"tune.json"``): tune, reading that file's valid entries on entering and writing the
+  table back on leaving the ``enable`` block (and at interpreter exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from . import _machine
+
+__all__ = ["ENV", "Setting", "setting", "header", "load", "save", "entries", "clear", "file_info"]
+
+ENV = "ATEN_OVERRIDE_AUTOTUNE"
+FORMAT = 1
+
+log = logging.getLogger("aten_override.autotune")
+
+_FALSE = {"0", "false", "off", "no"}
+_TRUE = {"1", "true", "on", "yes", ""}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """``enabled``: whether first calls tune; ``path``: the results file, or ``None``."""
+
+    enabled: bool
+    path: Path | None = None
+
+
+def setting(value: bool | str | os.PathLike | None = None) -> Setting:
+    """The setting for ``enable(..., autotune=value)``; ``None`` reads ``ATEN_OVERRIDE_AUTOTUNE``
+    (unset: on, in memory).
+
+    Raises:
+        TypeError: ``value`` is not a bool, a string, a path or ``None``.
+    """
+    if value is None:
+        value = os.environ.get(ENV, "1")
+    if isinstance(value, bool):
+        return Setting(value)
+    if isinstance(value, (str, os.PathLike)):
+        text = os.fspath(value)
+        if text.strip().lower() in _FALSE:
+            return Setting(False)
+        if text.strip().lower() in _TRUE:
+            return Setting(True)
+        return Setting(True, Path(text))
+    raise TypeError(f"aten_override: autotune must be a bool, a path or None, got {type(value).__name__}")
+
+
+def _ext():
+    from .ops.convolution_backward import compiled
+
+    return compiled.extension()
+
+
+_build_id: str | None = None
+
+
+def _extension_build_id() -> str:
+    """A hash of the loaded extension's shared library: a rebuilt kernel invalidates its timings."""
+    global _build_id
+    if _build_id is None:
+        ext = _ext()
+        _build_id = hashlib.sha1(Path(ext.__file__).read_bytes()).hexdigest()[:16] if ext is not None else "none"
+    return _build_id
+
+
+def header() -> dict:
+    """What a results file must have been measured with to be used here."""
+    return {
+        "format": FORMAT,
+        "torch": torch.__version__,
+        "onednn": _machine.onednn_version(),
+        "cpu_model": _machine.cpu_model(),
+        "isa": list(_machine.isa_flags()),
+        "build_id": _extension_build_id(),
+    }
+
+
+def _stale_reason(found: dict) -> str | None:
+    wanted = header()
+    for key, value in wanted.items():
+        if found.get(key) != value:
+            return f"{key} is {found.get(key)!r} in the file, {value!r} here"
+    return None
+
+
+def entries() -> list[dict]:
+    """The in-memory results table: ``[{"signature", "kernel", "times_us", "rejected", "tune_us"}]``
+    (times in microseconds; empty for entries loaded from a file)."""
+    ext = _ext()
+    if ext is None:
+        return []
+    return [
+        {"signature": sig, "kernel": kernel, "times_us": times, "rejected": rejected, "tune_us": tune_us}
+        for sig, kernel, times, rejected, tune_us in ext.autotune_entries()
+    ]
+
+
+def clear() -> None:
+    """Forget every tuned signature of this process."""
+    ext = _ext()
+    if ext is not None:
+        ext.autotune_clear()
+
+
+def load(path: str | os.PathLike) -> int:
+    """Add the valid entries of the results file ``path`` to the table; returns how many were taken.
+
+    A missing file takes nothing; a corrupt one, or one measured elsewhere (another torch, oneDNN,
+    CPU model, ISA or build), is ignored as a whole with a warning on the ``aten_override.autotune``
+    logger that says why.
+    """
+    path = Path(path)
+    ext = _ext()
+    if ext is None or not path.exists():
+        return 0
+    try:
+        data = json.loads(path.read_text())
+        stale = _stale_reason(data["header"])
+        rows = [(str(r["signature"]), str(r["kernel"])) for r in data["entries"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("aten_override: ignoring autotune results file %s: unreadable (%s: %s)", path, type(e).__name__, e)
+        return 0
+    if stale is not None:
+        log.warning("aten_override: ignoring autotune results file %s: measured elsewhere (%s)", path, stale)
+        return 0
+    taken = ext.autotune_load(rows)
+    if taken < len(rows):
+        log.warning("aten_override: %d of %d entries of %s were not usable", len(rows) - taken, len(rows), path)
+    return taken
+
+
+_save_lock = threading.Lock()
+
+
+def save(path: str | os.PathLike) -> int:
+    """Write the table (with :func:`header`) to ``path``, atomically; returns the number of entries."""
+    path = Path(path)
+    rows = entries()
+    data = {"header": header(), "entries": rows}
+    with _save_lock:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    return len(rows)
+
+
+def file_info(path: str | os.PathLike) -> dict:
+    """``{"path", "exists", "entries", "valid", "why"}`` for ``python -m aten_override info``."""
+    path = Path(path)
+    out = {"path": str(path), "exists": path.exists(), "entries": 0, "valid": False, "why": None}
+    if not path.exists():
+        out["why"] = "no such file"
+        return out
+    try:
+        data = json.loads(path.read_text())
+        out["entries"] = len(data["entries"])
+        out["why"] = _stale_reason(data["header"])
+        out["valid"] = out["why"] is None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        out["why"] = f"unreadable ({type(e).__name__}: {e})"
+    return out
+
+
+# --- applying a setting (context.enable) ----------------------------------------------------------
+
+_files_to_save: set[Path] = set()
+
+
+def apply(s: Setting) -> bool | None:
+    """Switch the extension to ``s``; returns the previous on/off state to :func:`restore` (``None``
+    when the extension is not built). Loads ``s.path`` when given."""
+    ext = _ext()
+    if ext is None:
+        return None
+    previous = ext.autotune()
+    ext.set_autotune(s.enabled)
+    if s.path is not None:
+        load(s.path)
+        _files_to_save.add(s.path)
+    return previous
+
+
+def restore(s: Setting, previous: bool | None) -> None:
+    """Undo :func:`apply`: write ``s.path`` back, restore the previous on/off state."""
+    ext = _ext()
+    if ext is None or previous is None:
+        return
+    if s.path is not None:
+        try:
+            save(s.path)
+        except OSError as e:
+            log.warning("aten_override: could not write autotune results file %s: %s", s.path, e)
+    ext.set_autotune(previous)
+
+
+@atexit.register
+def _save_at_exit() -> None:
+    for path in list(_files_to_save):
+        try:
+            save(path)
+        except Exception as e:  # noqa: BLE001 - never fail interpreter exit
+            log.warning("aten_override: could not write autotune results file %s: %s", path, e)

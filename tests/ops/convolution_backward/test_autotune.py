@@ -1,0 +1,270 @@
+r"""The compiled backend's measured kernel choice (``enable("compiled", autotune=...)``).
+
+What is asserted is the choice and its bookkeeping, never a wall time: native wins when every
+candidate is slower (a fake slow candidate); a wrong candidate never wins, however fast (a fake one
+returning zeros); the winner's results are native's; a signature is tuned once, also from two
+threads at once; deterministic mode and ``autotune=False`` never time; a results file makes a second
+process skip tuning, and a stale or corrupt one is ignored with a message; the tracer and
+``stats()`` name the kernel that ran.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import pytest
+import torch
+
+import aten_override
+from aten_override import autotune
+from aten_override.ops.convolution_backward import compiled
+from aten_override.ops.convolution_backward.args import ConvolutionBackwardArgs
+from aten_override.testing.comparison import call_native, check_against_native
+
+from ...backend_params import run_python
+
+pytestmark = pytest.mark.skipif(compiled.unavailable_reason() is not None, reason=str(compiled.unavailable_reason()))
+
+_OP = torch.ops.aten.convolution_backward.default
+
+
+def depthwise_call(channels: int = 32, size: int = 20, mask=(True, True, True)) -> tuple:
+    """A depthwise 3x3 layer: candidates native and the depthwise kernel (and the GEMM one)."""
+    g = torch.Generator().manual_seed(channels * 1000 + size)
+    x = torch.randn(2, channels, size, size, generator=g)
+    w = torch.randn(channels, 1, 3, 3, generator=g)
+    go = torch.randn(2, channels, size, size, generator=g)
+    return (go, x, w, [channels], [1, 1], [1, 1], [1, 1], False, [0, 0], channels, list(mask))
+
+
+@pytest.fixture(autouse=True)
+def fresh_table():
+    """Every test starts from an empty results table and no test candidate, and leaves it so."""
+    ext = compiled.extension()
+    autotune.clear()
+    aten_override.reset_stats()
+    yield
+    ext.set_test_candidate("off")
+    autotune.clear()
+
+
+def tuned_entry(args: tuple) -> dict:
+    (entry,) = [e for e in autotune.entries() if e["tune_us"] > 0]
+    return entry
+
+
+def test_tunes_once_and_reuses_the_winner():
+    args = depthwise_call()
+    with aten_override.enable("compiled", autotune=True):
+        first = _OP(*args)
+        second = _OP(*args)
+    stats = aten_override.stats()
+    assert stats["compiled_tuning"]["signatures"] == 1 and stats["compiled_tuning"]["us"] > 0, stats
+    assert sum(stats["compiled_kernels"].values()) == 2, stats
+    entry = tuned_entry(args)
+    assert set(entry["times_us"]) >= {"native"} or "native" in entry["rejected"], entry
+    assert {"native", "depthwise-plane"} <= set(entry["times_us"]) | set(entry["rejected"]), entry
+    native = call_native(args)
+    for ours in (first, second):
+        check_against_native(ours, native, output_mask=args[-1])
+
+
+def test_native_wins_when_every_candidate_is_slower():
+    """A float16 dense layer: no kernel of ours applies, so the candidates are native and the fake
+    slow one (native's result, then as long again busy): native wins."""
+    compiled.extension().set_test_candidate("slow")
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(2, 8, 10, 10, generator=g).half(), torch.randn(8, 8, 3, 3, generator=g).half()
+    args = (torch.randn(2, 8, 10, 10, generator=g).half(), x, w, [8], [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+            [True, True, True])
+    with aten_override.enable("compiled", autotune=True):
+        _OP(*args)
+    entry = tuned_entry(args)
+    assert entry["kernel"] == "native", entry
+    assert set(entry["times_us"]) | set(entry["rejected"]) == {"native", "test"}, entry
+
+
+def test_a_wrong_candidate_never_wins():
+    """The fake 'wrong' candidate returns zeros at once: the fastest, and rejected as wrong."""
+    compiled.extension().set_test_candidate("wrong")
+    args = depthwise_call(16, 12)
+    with aten_override.enable("compiled", autotune=True):
+        ours = _OP(*args)
+    entry = tuned_entry(args)
+    assert entry["kernel"] != "test" and entry["rejected"]["test"].startswith("wrong:"), entry
+    check_against_native(ours, call_native(args), output_mask=args[-1])
+
+
+def test_concurrent_first_calls_tune_once():
+    args = depthwise_call(24, 16)
+    results, errors = [None, None], []
+    barrier = threading.Barrier(2)
+
+    def work(i):
+        try:
+            barrier.wait()
+            results[i] = _OP(*args)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    with aten_override.enable("compiled", autotune=True):
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    assert aten_override.stats()["compiled_tuning"]["signatures"] == 1
+    native = call_native(args)
+    for r in results:
+        check_against_native(r, native, output_mask=args[-1])
+
+
+@pytest.mark.parametrize("how", ["deterministic", "autotune=False"])
+def test_static_table_never_times(how):
+    args = depthwise_call(8, 10)
+    if how == "deterministic":
+        previous = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            with aten_override.enable("compiled", autotune=True):
+                _OP(*args)
+        finally:
+            torch.use_deterministic_algorithms(previous)
+    else:
+        with aten_override.enable("compiled", autotune=False):
+            _OP(*args)
+    stats = aten_override.stats()
+    assert "compiled_tuning" not in stats and autotune.entries() == [], stats
+    assert stats["compiled_kernels"] == {"depthwise": 1}, stats  # the table's choice
+
+
+def test_signature_includes_layout_and_threads():
+    args = depthwise_call(8, 10)
+    cl = tuple(t.contiguous(memory_format=torch.channels_last) if i < 3 else t for i, t in enumerate(args))
+    threads = torch.get_num_threads()
+    with aten_override.enable("compiled", autotune=True):
+        _OP(*args)
+        _OP(*cl)
+        torch.set_num_threads(1 if threads > 1 else 2)
+        try:
+            _OP(*args)
+        finally:
+            torch.set_num_threads(threads)
+    assert aten_override.stats()["compiled_tuning"]["signatures"] == 3
+
+
+def test_results_file_makes_a_second_process_skip_tuning(tmp_path):
+    path = tmp_path / "tune.json"
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import json, sys, torch, aten_override\n"
+        "from tests.ops.convolution_backward.test_autotune import depthwise_call\n"
+        "with aten_override.enable('compiled', autotune=sys.argv[1]):\n"
+        "    torch.ops.aten.convolution_backward.default(*depthwise_call())\n"
+        "print(json.dumps(aten_override.stats()))\n"
+    )
+    first = run_python([str(script), str(path)], ATEN_OVERRIDE_AUTOTUNE="1")
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout.splitlines()[-1])["compiled_tuning"]["signatures"] == 1
+    data = json.loads(path.read_text())
+    assert data["header"] == autotune.header() and len(data["entries"]) == 1
+    second = run_python([str(script), str(path)], ATEN_OVERRIDE_AUTOTUNE="1")
+    assert second.returncode == 0, second.stderr
+    stats = json.loads(second.stdout.splitlines()[-1])
+    assert "compiled_tuning" not in stats, stats
+    assert stats["compiled_kernels"] == {data["entries"][0]["kernel"]: 1}, stats
+
+
+@pytest.mark.parametrize("damage", ["stale cpu_model", "stale build_id", "corrupt"])
+def test_stale_or_corrupt_results_file_is_ignored_with_a_message(tmp_path, caplog, damage):
+    args = depthwise_call(8, 10)
+    path = tmp_path / "tune.json"
+    with aten_override.enable("compiled", autotune=path):
+        _OP(*args)
+    data = json.loads(path.read_text())
+    assert len(data["entries"]) == 1
+    if damage == "corrupt":
+        path.write_text(path.read_text()[:40])
+    else:
+        data["header"][damage.split()[1]] = "elsewhere"
+        path.write_text(json.dumps(data))
+    autotune.clear()
+    with caplog.at_level(logging.WARNING, logger="aten_override.autotune"):
+        assert autotune.load(path) == 0
+    assert autotune.entries() == []
+    expected = "unreadable" if damage == "corrupt" else f"measured elsewhere ({damage.split()[1]}"
+    assert any(expected in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    info = autotune.file_info(path)
+    assert not info["valid"] and info["why"]
+
+
+def test_setting_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(autotune.ENV, "0")
+    assert autotune.setting() == autotune.Setting(False)
+    monkeypatch.setenv(autotune.ENV, str(tmp_path / "t.json"))
+    assert autotune.setting() == autotune.Setting(True, tmp_path / "t.json")
+    monkeypatch.delenv(autotune.ENV)
+    assert autotune.setting() == autotune.Setting(True)
+    with pytest.raises(TypeError, match="autotune must be"):
+        autotune.setting(3)
+
+
+def test_enable_restores_the_previous_setting():
+    ext = compiled.extension()
+    ext.set_autotune(False)
+    with aten_override.enable("compiled", autotune=True):
+        assert ext.autotune()
+        with aten_override.enable("compiled", autotune=False):
+            assert not ext.autotune()
+        assert ext.autotune()
+    assert not ext.autotune()
+
+
+def test_tracer_names_the_kernel_and_the_tuning():
+    args = depthwise_call(16, 8)
+    with aten_override.enable("compiled", autotune=True), aten_override.trace() as t:
+        _OP(*args)
+        _OP(*args)
+    first, second = t.calls
+    assert first.kernel.startswith("compiled/") and first.tuning is not None
+    assert "native" in first.tuning["times_us"] or "native" in first.tuning["rejected"]
+    assert second.kernel == first.kernel and second.tuning is None
+    assert f"backend={first.kernel}" in t.format() and "tuned: " in t.format()
+
+
+def test_tuning_never_serves_a_masked_output():
+    for mask in ([True, False, False], [False, True, True]):
+        args = depthwise_call(16, 9, mask)
+        with aten_override.enable("compiled", autotune=True):
+            ours = _OP(*args)
+        check_against_native(ours, call_native(args), output_mask=mask)
+
+
+def test_candidates_follow_the_layer():
+    """Grouped with few channel pairs: the direct kernel competes; depthwise: the depthwise kernel."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 32, 12, 12, generator=g), torch.randn(32, 4, 3, 3, generator=g)
+    go = torch.randn(2, 32, 12, 12, generator=g)
+    args = (go, x, w, [32], [1, 1], [1, 1], [1, 1], False, [0, 0], 8, [True, True, True])
+    assert compiled.layer_class(ConvolutionBackwardArgs(*args)) == "grouped"
+    with aten_override.enable("compiled", autotune=True):
+        _OP(*args)
+    entry = tuned_entry(args)
+    assert "direct" in set(entry["times_us"]) | set(entry["rejected"]), entry
+
+
+def test_profiler_range_names_the_kernel():
+    """While tracing, each call is an ``aten_override::convolution_backward[compiled/<kernel>]`` range:
+    ``compiled/tuning`` on the call that tunes its signature, then the kernel it chose."""
+    args = depthwise_call(16, 8)
+    with aten_override.enable("compiled", autotune=True), aten_override.trace() as t:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            _OP(*args)
+            _OP(*args)
+    names = [e.name for e in prof.events() if e.name.startswith("aten_override::")]
+    kernel = t.calls[1].kernel
+    assert names == ["aten_override::convolution_backward[compiled/tuning]", f"aten_override::convolution_backward[{kernel}]"]
+    assert compiled.planned_kernel(ConvolutionBackwardArgs(*args)) == kernel.removeprefix("compiled/")
