@@ -4,9 +4,9 @@ The compiled backend can serve a call with several kernels (``candidates``: nati
 depthwise, direct, grouped-lanes and GEMM kernels of ``csrc/cpu``, each with a predicate of what it
 computes). With autotune on, the first call of a *signature* (sizes, strides, dtype, ``output_mask``,
 stride / padding / dilation / groups, bias, the thread count) times every candidate that applies on
-the call's own tensors (one run each, then two interleaved rounds of those within 1.5x of the
-fastest, median), checks each against native's result, and remembers the winner; a candidate must
-beat native by 3% to win. Later calls of that signature take the winner after one hash lookup in
+the call's own tensors (native twice, its first run untimed; each candidate once; then two
+interleaved rounds of native and of the candidates within 2x of the fastest; medians), checks each
+against native's result, and remembers the winner; a candidate must beat native by 3% to win. Later calls of that signature take the winner after one hash lookup in
 C++. With autotune off, or under ``torch.use_deterministic_algorithms(True)``, the layer-class table
 decides (no timing), so results do not depend on machine load.
 
@@ -74,7 +74,8 @@ def setting(value: bool | str | os.PathLike | None = None) -> Setting:
             return Setting(False)
         if text.strip().lower() in _TRUE:
             return Setting(True)
-        return Setting(True, Path(text))
+        # resolved now: the file read on entering enable() is the one written on leaving it
+        return Setting(True, Path(text).expanduser().absolute())
     raise TypeError(f"aten_override: autotune must be a bool, a path or None, got {type(value).__name__}")
 
 
@@ -108,7 +109,9 @@ def header() -> dict:
     }
 
 
-def _stale_reason(found: dict) -> str | None:
+def _stale_reason(found) -> str | None:
+    if not isinstance(found, dict):
+        raise TypeError(f"the header is a {type(found).__name__}, not an object")
     wanted = header()
     for key, value in wanted.items():
         if found.get(key) != value:
@@ -150,7 +153,7 @@ def load(path: str | os.PathLike) -> int:
         data = json.loads(path.read_text())
         stale = _stale_reason(data["header"])
         rows = [(str(r["signature"]), str(r["kernel"])) for r in data["entries"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         log.warning("aten_override: ignoring autotune results file %s: unreadable (%s: %s)", path, type(e).__name__, e)
         return 0
     if stale is not None:
@@ -173,9 +176,13 @@ def save(path: str | os.PathLike) -> int:
     with _save_lock:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
     return len(rows)
 
 
@@ -191,7 +198,7 @@ def file_info(path: str | os.PathLike) -> dict:
         out["entries"] = len(data["entries"])
         out["why"] = _stale_reason(data["header"])
         out["valid"] = out["why"] is None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         out["why"] = f"unreadable ({type(e).__name__}: {e})"
     return out
 

@@ -104,7 +104,7 @@ INVALID = [
     ("mixed dtypes", _with(go=torch.randn(2, 6, 6, 6, dtype=torch.float64)), r"same dtype, got torch.float64, torch.float32"),
     ("input rank", _with(x=torch.randn(2, 4, 8)), r"expected input and grad_output to be 4-dimensional"),
     ("kernel larger than input", _with(x=torch.randn(2, 4, 2, 2), go=torch.randn(2, 6, 1, 1)), r"kernel size can't be greater"),
-    ("zero spatial size", _with(x=torch.randn(2, 4, 0, 8), go=torch.randn(2, 6, 0, 6)), r"zero spatial size"),
+    ("zero spatial size", _with(x=torch.randn(2, 4, 0, 8), go=torch.randn(2, 6, 2, 8), padding=[2, 1]), r"zero spatial size"),
     ("output_padding too big", _with(transposed=True, w=torch.randn(4, 6, 3, 3), go=torch.randn(2, 6, 17, 17), stride=[2], output_padding=[2]),
      r"output padding must be smaller than either stride or dilation"),
 ]

@@ -33,6 +33,10 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     from .. import autotune
 
+    if args.backend not in ("compiled", "auto"):
+        args._parser.error(f"--backend {args.backend}: only the compiled backend (or auto) chooses kernels by measuring")
+    if args.autotune is not None:
+        args._parser.error("--autotune: tune always measures; give the results file with --file")
     args.file = args.file or autotune.setting().path or DEFAULT_FILE
     args.autotune = args.file
     code = run.main(args)

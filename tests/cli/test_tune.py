@@ -42,3 +42,12 @@ def test_tune_fills_the_file_and_a_second_run_takes_it(tmp_path):
     assert f"3 signatures in {results} (0 tuned now, 0 ms)" in second.stderr, second.stderr
     info = run_python(["-m", "aten_override", "info"], ATEN_OVERRIDE_AUTOTUNE=str(results))
     assert f"autotune results file: {results}: 3 entries, valid" in info.stdout, info.stdout
+
+
+@pytest.mark.parametrize("options", [["--backend", "python"], ["--autotune", "off"]])
+def test_tune_rejects_options_it_cannot_honour(tmp_path, options):
+    script = tmp_path / "train.py"
+    script.write_text(PROGRAM)
+    proc = run_python(["-m", "aten_override", "tune", "--file", str(tmp_path / "t.json"), *options, str(script)])
+    assert proc.returncode == 2 and options[0] in proc.stderr, proc.stderr
+    assert not (tmp_path / "t.json").exists()

@@ -336,6 +336,12 @@ def convolution_backward(args: ConvolutionBackwardArgs) -> tuple[torch.Tensor | 
         return None, None, _grad_bias(a.grad_output, _compute_dtype(dtype)) if mask[2] else None
     backend = native_backend(a)
     fmt = output_memory_format(a, backend)
+    if a.grad_output.numel() == 0:  # a transposed layer with an empty output: nothing flows back
+        return (
+            empty_like_native(a.input, fmt, backend, dtype, is_input=True).zero_() if mask[0] else None,
+            empty_like_native(a.weight, fmt, backend, dtype).zero_() if mask[1] else None,
+            torch.zeros(a.c_out, dtype=dtype, device=a.grad_output.device) if mask[2] else None,
+        )
     gi = gw = gb = None
     if mask[0]:
         gi = empty_like_native(a.input, fmt, backend, dtype, is_input=True)

@@ -268,3 +268,100 @@ def test_profiler_range_names_the_kernel():
     kernel = t.calls[1].kernel
     assert names == ["aten_override::convolution_backward[compiled/tuning]", f"aten_override::convolution_backward[{kernel}]"]
     assert compiled.planned_kernel(ConvolutionBackwardArgs(*args)) == kernel.removeprefix("compiled/")
+
+
+@pytest.mark.parametrize("claimed", ["depthwise", "gemm-kn2row", "grouped-lanes", "zeros", "sum", "upcast", "test"])
+def test_a_tampered_results_file_never_runs_a_kernel_that_cannot_serve_the_call(tmp_path, claimed):
+    """A results file (valid header) naming, for a dense 3x3 layer, a kernel that cannot compute it
+    (gemm-kn2row and grouped-lanes assert, zeros returns zeros): the table decides."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(2, 6, 9, 9, generator=g), torch.randn(6, 6, 3, 3, generator=g)
+    args = (torch.randn(2, 6, 9, 9, generator=g), x, w, [6], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True])
+    path = tmp_path / "tune.json"
+    with aten_override.enable("compiled", autotune=path):
+        _OP(*args)
+    data = json.loads(path.read_text())
+    for entry in data["entries"]:
+        entry["kernel"] = claimed
+    path.write_text(json.dumps(data))
+    autotune.clear()
+    aten_override.reset_stats()
+    with aten_override.enable("compiled", autotune=path):
+        assert compiled.planned_kernel(ConvolutionBackwardArgs(*args)) == "native"
+        ours = _OP(*args)
+    stats = aten_override.stats()
+    assert "compiled_tuning" not in stats and stats["compiled_kernels"] == {"native": 1}, stats
+    check_against_native(ours, call_native(args), output_mask=args[-1])
+
+
+@pytest.mark.parametrize("layer", ["dense 3x3", "depthwise", "one-channel 1-D", "3x1x1"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_values_after_tuning_get_natives_results(layer, bad):
+    """Tuned on finite values, then the same signature with an inf / NaN in grad_output: whichever
+    kernel won (our kernels multiply padding zeros that native skips), the result is native's,
+    NaN and inf where native has them."""
+    g = torch.Generator().manual_seed(3)
+    shapes = {
+        "dense 3x3": ((2, 8, 10, 10), (8, 8, 3, 3), 1, [1, 1]),
+        "depthwise": ((2, 8, 10, 10), (8, 1, 3, 3), 8, [1, 1]),
+        "one-channel 1-D": ((2, 1, 40), (8, 1, 5), 1, [2]),
+        "3x1x1": ((2, 8, 6, 5, 5), (8, 8, 3, 1, 1), 1, [1, 0, 0]),
+    }
+    xs, ws, groups, padding = shapes[layer]
+    x, w = torch.randn(xs, generator=g), torch.randn(ws, generator=g)
+    d = len(xs) - 2
+    go = torch.randn(xs[0], ws[0], *xs[2:], generator=g)
+    if layer == "one-channel 1-D":
+        go = torch.randn(2, 8, 40, generator=g)
+
+    def call(grad_output):
+        return (grad_output, x, w, [ws[0]], [1] * d, padding, [1] * d, False, [0] * d, groups, [True, True, True])
+
+    with aten_override.enable("compiled", autotune=True):
+        _OP(*call(go))
+        bad_go = go.clone()
+        bad_go.view(-1)[0] = bad
+        ours = _OP(*call(bad_go))
+    native = call_native(call(bad_go))
+    for o, n in zip(ours, native):
+        torch.testing.assert_close(o, n, equal_nan=True, rtol=1e-4, atol=1e-4)
+
+
+def test_a_wrong_candidate_loses_on_tiny_gradients():
+    """Gradients of a mean-reduced loss are tiny: a candidate returning zeros is still wrong."""
+    compiled.extension().set_test_candidate("wrong")
+    go, *rest = depthwise_call(16, 12)
+    args = (go * 1e-6, *rest)
+    with aten_override.enable("compiled", autotune=True):
+        ours = _OP(*args)
+    entry = tuned_entry(args)
+    assert entry["kernel"] != "test" and entry["rejected"]["test"].startswith("wrong:"), entry
+    check_against_native(ours, call_native(args), output_mask=args[-1])
+
+
+def test_relative_results_path_is_the_one_entered_with(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    with aten_override.enable("compiled", autotune="rel.json"):
+        _OP(*depthwise_call(8, 10))
+        monkeypatch.chdir(tmp_path / "elsewhere")
+    assert (tmp_path / "rel.json").exists() and not (tmp_path / "elsewhere" / "rel.json").exists()
+
+
+@pytest.mark.parametrize("content", ['{"header": null, "entries": []}', '{"header": [], "entries": []}', "[" * 100000])
+def test_malformed_results_file_is_ignored(tmp_path, caplog, content):
+    path = tmp_path / "tune.json"
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="aten_override.autotune"):
+        with aten_override.enable("compiled", autotune=path):
+            _OP(*depthwise_call(8, 10))
+    assert any("unreadable" in r.getMessage() for r in caplog.records)
+    assert not autotune.file_info(path)["valid"] or json.loads(path.read_text())["header"] == autotune.header()
+
+
+def test_failed_save_leaves_no_temporary_file(tmp_path):
+    target = tmp_path / "dir.json"
+    target.mkdir()
+    with pytest.raises(OSError):
+        autotune.save(target)
+    assert [p.name for p in tmp_path.iterdir()] == ["dir.json"]

@@ -148,3 +148,37 @@ def test_zero_input_channels_module(backend, dim, batch, bias, strided, contiguo
         if n is not None:
             assert o.shape == n.shape == p.shape and o.dtype == n.dtype and o.stride() == n.stride()
             assert torch.equal(o, n)
+
+
+@parametrize_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transposed_layer_with_an_empty_output(backend, dtype):
+    """``F.conv_transpose2d`` of ``x (2, 3, 1, 5)``, ``w (3, 4, 2, 3)``, padding 1 gives a
+    ``(2, 4, 0, 5)`` output natively on the oneDNN path (float64's slow path raises "Output size is
+    too small"); its backward gives zero gradients, as natively (both backends raised 'computed
+    output size ... is too small' before)."""
+    x = torch.randn(2, 3, 1, 5, dtype=dtype, requires_grad=True)
+    w = torch.randn(3, 4, 2, 3, dtype=dtype, requires_grad=True)
+    b = torch.randn(4, dtype=dtype, requires_grad=True)
+
+    def grads():
+        y = F.conv_transpose2d(x, w, b, padding=(1, 1))
+        assert y.shape == (2, 4, 0, 5)
+        return torch.autograd.grad(y.sum(), (x, w, b))
+
+    native = grads()
+    with served(backend):
+        ours = grads()
+    for o, n in zip(ours, native):
+        assert o.shape == n.shape and o.dtype == n.dtype and o.stride() == n.stride()
+        assert torch.equal(o, n)
+
+
+@parametrize_backend
+def test_negative_bias_sizes_on_an_empty_call_is_named(backend):
+    args = (torch.randn(0, 3, 3, 3), torch.randn(0, 2, 5, 5), torch.randn(3, 2, 3, 3), [-1], [1, 1], [0, 0],
+            [1, 1], False, [0, 0], 1, [False, False, True])
+    with pytest.raises(RuntimeError):
+        call_native(args)
+    with aten_override.enable(backend), pytest.raises(RuntimeError, match=rf"convolution_backward\[{backend}\]: bias_sizes must be non-negative"):
+        _OP(*args)
