@@ -14,9 +14,9 @@ Then ``--trace-steps`` extra steps per side run under ``aten_override.trace()`` 
 of each time is taken): the convolution backward's share of a step (the sum of the traced
 ``convolution_backward`` calls over the traced step's wall time; the tracer's module hooks make that
 step a little slower than an untimed one) and the top 5 conv layers by native backward time, with what served each: native's backend (upstream's choice,
-``Mkldnn``, ``Slow2d``, ...) and the compiled backend's layer class
-(``aten_override.ops.convolution_backward.compiled.layer_class``; ``python -m aten_override info
---layer-classes``).
+``Mkldnn``, ``Slow2d``, ...) and the compiled backend's layer class and the kernel that ran it
+(``class/kernel``: the layer-class table's choice, or the autotuner's when ``ATEN_OVERRIDE_AUTOTUNE``
+is unset or ``1``; tuning happens in the warmup steps).
 
 Models (``--models``; inputs: ``--batch`` images of ``--image-size`` or clips / audio):
 
@@ -280,8 +280,8 @@ def _tail(text: str, width: int) -> str:
 
 
 def _compiled_kernel(call) -> str:
-    """The compiled layer class of a traced call (from tensors of its shapes and strides, not its
-    data), with the depthwise kernel where that class serves it; the fallback reason otherwise."""
+    """The compiled layer class of a traced call and the kernel that ran it (the tracer's
+    ``compiled/<kernel>``: the table's choice or the autotuner's); the fallback reason otherwise."""
     if call.backend != "compiled":
         return f"{call.backend} ({call.fallback_reason})"
     values = {}
@@ -289,10 +289,8 @@ def _compiled_kernel(call) -> str:
         if hasattr(value, "shape"):
             value = torch.empty_strided(value.shape, value.stride, dtype=getattr(torch, value.dtype))
         values[key] = value
-    args = ConvolutionBackwardArgs(**values)
-    cls = compiled.layer_class(args)
-    kernel = compiled.depthwise_kernel(args) if cls == "depthwise" else None
-    return f"{cls}/{kernel}" if kernel else cls
+    cls = compiled.layer_class(ConvolutionBackwardArgs(**values))
+    return f"{cls}/{(call.kernel or 'compiled/?').removeprefix('compiled/')}"
 
 
 def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, rounds: int) -> dict:
