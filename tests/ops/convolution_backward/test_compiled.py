@@ -943,3 +943,19 @@ def test_non_finite_values_give_natives_result(layer_class, c_in, c_out, groups,
     assert native[i].isinf().any()  # the case is one that matters
     assert ours[i].stride() == native[i].stride()
     torch.testing.assert_close(ours[i], native[i], equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["grouped", "one-channel"])
+def test_reduced_precision_grad_bias(name, dtype):
+    """grad_bias of a contiguous bfloat16 / float16 grad_output is summed plane by plane (ATen's sum
+    would upcast all of grad_output first): native's values within the suite's rule, a large offset
+    included (float32 chunks added in double), and the same bits at 1 and 2 threads."""
+    args = make_args(LAYERS[name], GEOMETRIES[0], 2, dtype=dtype, output_mask=(False, True, True), batch=3, spatial=[40, 40])
+    args = dataclasses.replace(args, grad_output=args.grad_output + 3)  # a long sum of one sign
+    assert compiled.layer_class(args) == name
+    ours = run_compiled(args)
+    assert_matches_original(args, ours)
+    reference = args.grad_output.double().sum([0, 2, 3])
+    assert (ours[2].double() - reference).abs().max() <= 2 ** -7 * reference.abs().max()
+    assert torch.equal(run_compiled_on_one_thread(args)[2], ours[2])
