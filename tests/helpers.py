@@ -3,6 +3,8 @@ running ``python -m aten_override test`` from the checkout."""
 
 from __future__ import annotations
 
+import math
+
 import os
 import subprocess
 import sys
@@ -78,7 +80,10 @@ def assert_matches_original(ours, aten_args, *, reference=None):
             err_native = (n.double() - r).abs().max().item() / scale
             eps = torch.finfo(dtype).eps
             floor = (4 if dtype in REDUCED else 64) * eps
-            assert err_ours <= max(2 * err_native, floor), (
+            # native's own result may be garbage (NaN / inf: torch 2.13's oneDNN bfloat16 paths that leave
+            # outputs unwritten, see test_native_defects.py): then ours is judged against float64 alone
+            bound = max(2 * err_native, floor) if math.isfinite(err_native) else floor
+            assert err_ours <= bound, (
                 f"{name}: error relative to max|float64 result| {err_ours:.3g} vs native's {err_native:.3g} (eps {eps:.3g})"
             )
     return native

@@ -558,10 +558,21 @@ bool depth_without_full_row(const Args& a, const Expanded& e) {
   return true;
 }
 
+// Whether a regular 3-D layer has padding: 2.13's oneDNN bfloat16 backward leaves parts of grad_weight /
+// grad_input of many such layers unwritten (e.g. input (2, 16, 2, 2, 2), kernel 3, padding 1). Mirrors
+// args.padded_3d.
+bool padded_3d(const Args& a, const Expanded& e) {
+  if (a.transposed || e.dims != 3) return false;
+  for (auto p : e.padding) {
+    if (p > 0) return true;
+  }
+  return false;
+}
+
 // Whether 2.13's oneDNN convolutions are known wrong on this call in bfloat16 / float16. Mirrors
 // args.onednn_defect.
 bool onednn_defect(const Args& a, const Expanded& e) {
-  return has_dead_tap(a, e) || width_one_transposed(a);
+  return has_dead_tap(a, e) || padded_3d(a, e) || width_one_transposed(a);
 }
 
 // The class of a call: its layer class, unless native would serve it on a path known to be wrong

@@ -25,6 +25,7 @@ Nothing here touches the dispatcher except through :func:`aten_override.enable`.
 from __future__ import annotations
 
 import contextlib
+import math
 import unittest
 from collections.abc import Sequence
 
@@ -184,6 +185,10 @@ def assert_close_to_reference(
         return
     r = (native if reference is None else reference).double()
     native_error = (native.double() - r).abs().max().item()
+    if not math.isfinite(native_error):
+        # the original kernel's result is garbage (NaN / inf where float64 is finite: torch 2.13's
+        # oneDNN bfloat16 paths that leave outputs unwritten): judge against float64 alone
+        native_error = 0.0
     scale = max(1.0, r.abs().max().item())
     atol = 2 * native_error + _RTOL.get(actual.dtype, 1e-7) * scale
     torch.testing.assert_close(
