@@ -1148,11 +1148,8 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
   for (int k = 0; k < static_cast<int>(Kernel::Count); ++k) {
     const Kernel kernel = static_cast<Kernel>(k);
     if (kernel == Kernel::Native) continue;
-    if (auto why = candidate_unsupported(kernel, a, e)) {
-      if (kernel == static_choice) candidates.push_back(kernel);  // the table's choice always competes
-      continue;
-    }
-    candidates.push_back(kernel);
+    // the table's choice always competes
+    if (kernel == static_choice || !candidate_unsupported(kernel, a, e)) candidates.push_back(kernel);
   }
   std::vector<std::vector<double>> times(candidates.size());
   std::vector<bool> alive(candidates.size(), true);
@@ -1415,16 +1412,21 @@ std::string signature_string(const Signature& key) {
   return out;
 }
 
+// {name: value} of a list of (name, value) pairs.
+template <typename T>
+py::dict to_dict(const std::vector<std::pair<std::string, T>>& pairs) {
+  py::dict out;
+  for (const auto& [name, value] : pairs) out[py::str(name)] = value;
+  return out;
+}
+
 py::list py_autotune_entries() {
   py::list out;
   auto& tuner = autotuner();
   std::shared_lock<std::shared_mutex> lock(tuner.table_mutex);
   for (const auto& [key, tuned] : tuner.table) {
-    py::dict times, rejected;
-    for (const auto& [name, us] : tuned.times_us) times[py::str(name)] = us;
-    for (const auto& [name, why] : tuned.rejected) rejected[py::str(name)] = why;
-    out.append(py::make_tuple(signature_string(key), kKernelNames[static_cast<int>(tuned.kernel)], times, rejected,
-                              tuned.tune_us));
+    out.append(py::make_tuple(signature_string(key), kKernelNames[static_cast<int>(tuned.kernel)],
+                              to_dict(tuned.times_us), to_dict(tuned.rejected), tuned.tune_us));
   }
   return out;
 }
@@ -1468,13 +1470,11 @@ void py_autotune_clear() {
 }
 
 py::dict py_last_call() {
-  py::dict out, times, rejected;
-  for (const auto& [name, us] : last_call.times_us) times[py::str(name)] = us;
-  for (const auto& [name, why] : last_call.rejected) rejected[py::str(name)] = why;
+  py::dict out;
   out["kernel"] = last_call.kernel;
   out["tuned"] = last_call.tuned;
-  out["times_us"] = times;
-  out["rejected"] = rejected;
+  out["times_us"] = to_dict(last_call.times_us);
+  out["rejected"] = to_dict(last_call.rejected);
   return out;
 }
 
@@ -1523,8 +1523,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("deregister_kernels", &deregister_kernels, "Undo register_kernels(): the dispatcher is as before.");
   m.def("kernels_registered", &kernels_registered);
   m.def("stats", &py_stats,
-        "{'served': n, 'fallback': n, 'fallback_reasons': {reason: n}, 'layer_classes': {class: n}}; served and "
-        "fallback count calls of the registered C++ kernel, layer_classes every call the backend computed.");
+        "{'served': n, 'fallback': n, 'fallback_reasons': {reason: n}, 'layer_classes': {class: n}, 'kernels': "
+        "{kernel: n}, 'tunings': n, 'tune_us': t}; served and fallback count calls of the registered C++ kernel, "
+        "layer_classes and kernels every call the backend computed, tunings / tune_us the signatures tuned and "
+        "what that cost (microseconds).");
   m.def("reset_stats", &py_reset_stats);
   m.def("set_autotune", [](bool on) { autotuner().enabled.store(on); },
         "Whether the first call of each signature times the candidate kernels (else the layer-class table "
