@@ -138,7 +138,8 @@ enum class Kernel : int {
   Zeros,         // upstream's Empty backend (empty_backward)
   Sum,           // grad_bias alone
   Upcast,        // native in float32 / float64 (the dead-taps class)
-  Depthwise,     // cpu/depthwise.cpp (plane by plane or channels in lanes: depthwise_cpu_kernel)
+  DepthwisePlane,  // cpu/depthwise.cpp, plane by plane
+  DepthwiseLanes,  // cpu/depthwise.cpp, channels in the vector lanes
   Direct,        // cpu/direct.cpp (grouped, one-channel; depthwise on CUDA)
   GroupedLanes,  // cpu/grouped.cpp
   GemmIm2col,    // cpu/gemm.cpp, im2col + GEMM
@@ -147,7 +148,7 @@ enum class Kernel : int {
   Count
 };
 
-constexpr const char* kKernelNames[] = {"native", "zeros", "sum", "upcast", "depthwise", "direct",
+constexpr const char* kKernelNames[] = {"native", "zeros", "sum", "upcast", "depthwise-plane", "depthwise-lanes", "direct",
                                         "grouped-lanes", "gemm-im2col", "gemm-kn2row", "test"};
 static_assert(sizeof(kKernelNames) / sizeof(kKernelNames[0]) == static_cast<size_t>(Kernel::Count));
 
@@ -764,7 +765,8 @@ at::Tensor compute_into(at::Tensor out, F compute) {
 }
 
 // Depthwise: grad_input, grad_weight and grad_bias in one fused pass (cpu/depthwise.cpp).
-Result depthwise_backward(const Args& a, const OutputLayout& layout, const DirectProblem& p, const at::Tensor& go) {
+Result depthwise_backward(
+    const Args& a, const OutputLayout& layout, const DirectProblem& p, const at::Tensor& go, DepthwiseWalk walk) {
   at::Tensor gi, gw, gb, gi_buffer, gw_buffer;
   const auto contiguous_buffer = [](const at::Tensor& out) {
     return out.is_contiguous() ? out : at::empty(out.sizes(), out.options().memory_format(at::MemoryFormat::Contiguous));
@@ -773,20 +775,21 @@ Result depthwise_backward(const Args& a, const OutputLayout& layout, const Direc
   if (a.output_mask[1]) gw_buffer = contiguous_buffer(gw = empty_like_native_weight(a.weight, layout));
   if (a.output_mask[2]) gb = at::empty({go.size(1)}, go.options());
   depthwise_backward_cpu(
-      p, go, a.output_mask[1] ? a.input.contiguous() : at::Tensor(), a.output_mask[0] ? a.weight.contiguous() : at::Tensor(),
+      p, walk, go, a.output_mask[1] ? a.input.contiguous() : at::Tensor(), a.output_mask[0] ? a.weight.contiguous() : at::Tensor(),
       gi.defined() ? &gi_buffer : nullptr, gw.defined() ? &gw_buffer : nullptr, gb.defined() ? &gb : nullptr);
   if (gi.defined() && !gi.is_same(gi_buffer)) gi.copy_(gi_buffer);
   if (gw.defined() && !gw.is_same(gw_buffer)) gw.copy_(gw_buffer);
   return {gi, gw, gb};
 }
 
-Result direct_backward(const Args& a, const Expanded& e) {
+// walk: the depthwise kernel's walk, for depthwise calls on the CPU.
+Result direct_backward(const Args& a, const Expanded& e, DepthwiseWalk walk = DepthwiseWalk::Plane) {
   const OutputLayout layout = output_layout(a);
   const DirectProblem p = direct_problem(a, e);
   const at::Tensor go = a.grad_output.contiguous();
   at::Tensor gi, gw, gb;
   // Depthwise on the CPU: the fused kernel (cpu/depthwise.cpp); on CUDA the direct kernels below.
-  if (p.in_per_group == 1 && p.groups > 1 && go.is_cpu()) return depthwise_backward(a, layout, p, go);
+  if (p.in_per_group == 1 && p.groups > 1 && go.is_cpu()) return depthwise_backward(a, layout, p, go, walk);
   if (a.output_mask[0]) {
     const at::Tensor w = a.weight.contiguous();
     gi = compute_into(empty_like_native(a.input.sizes(), a.input.options(), layout.fmt), [&](at::Tensor& out) {
@@ -880,25 +883,23 @@ bool all_finite(const at::Tensor& t) {
 // of a signature times every candidate that applies on the call's own tensors, checks each against
 // native, and remembers the winner; later calls of that signature take it after one hash lookup.
 
-// The name the tracer and stats show: the depthwise kernel says which of its two walks it takes.
-std::string kernel_name(Kernel k, const Args& a, const Expanded& e) {
-  if (k == Kernel::Depthwise && a.grad_output.is_cpu()) {
-    return std::string(depthwise_cpu_kernel(direct_problem(a, e), a.grad_output.scalar_type())) == "channels-in-lanes"
-        ? "depthwise-lanes"
-        : "depthwise-plane";
-  }
+// The name the tracer, stats and results files show.
+std::string kernel_name(Kernel k) {
   return kKernelNames[static_cast<int>(k)];
 }
 
 // The static choice of a layer class.
-Kernel static_kernel(LayerClass cls, const Args& a) {
+Kernel static_kernel(LayerClass cls, const Args& a, const Expanded& e) {
   switch (cls) {
     case LayerClass::Empty: return Kernel::Zeros;
     case LayerClass::BiasOnly: return Kernel::Sum;
     case LayerClass::DeadTaps: return Kernel::Upcast;
     case LayerClass::Depthwise:
       if (!direct_kernel_serves(cls, a.grad_output)) return Kernel::Native;
-      return a.grad_output.is_cpu() ? Kernel::Depthwise : Kernel::Direct;
+      if (!a.grad_output.is_cpu()) return Kernel::Direct;
+      return depthwise_table_walk(direct_problem(a, e), a.grad_output.scalar_type()) == DepthwiseWalk::Lanes
+          ? Kernel::DepthwiseLanes
+          : Kernel::DepthwisePlane;
     case LayerClass::Grouped:
     case LayerClass::OneChannel: return a.grad_output.is_cpu() ? Kernel::Direct : Kernel::Native;
     case LayerClass::GroupedLanes: return a.grad_output.is_cpu() ? Kernel::GroupedLanes : Kernel::Native;
@@ -933,9 +934,13 @@ std::optional<std::string> candidate_unsupported(Kernel k, const Args& a, const 
   const bool full = dtype == at::kFloat || dtype == at::kDouble;
   switch (k) {
     case Kernel::Native: return std::nullopt;
-    case Kernel::Depthwise:
+    case Kernel::DepthwisePlane:
       if (p.in_per_group == 1 && p.groups > 1) return std::nullopt;
       return "not depthwise (groups == C_in > 1)";
+    case Kernel::DepthwiseLanes:
+      if (p.in_per_group != 1 || p.groups == 1) return "not depthwise (groups == C_in > 1)";
+      if (!depthwise_lanes_fits(p, dtype)) return "a plane's channels-in-lanes tiles exceed 16 MiB";
+      return std::nullopt;
     case Kernel::Direct:
       if ((p.groups > 1 && p.in_per_group > 1 && p.in_per_group * p.out_per_group <= kDirectMaxChannelPairs) ||
           (p.groups == 1 && e.c_in == 1)) {
@@ -997,7 +1002,8 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
     case Kernel::Sum:
       return Result{at::Tensor(), at::Tensor(), a.output_mask[2] ? grad_bias(a.grad_output) : at::Tensor()};
     case Kernel::Upcast: return upcast_backward(a, depth_without_full_row(a, e) ? at::kDouble : at::kFloat);
-    case Kernel::Depthwise:
+    case Kernel::DepthwisePlane:
+    case Kernel::DepthwiseLanes:
     case Kernel::Direct:
     case Kernel::GroupedLanes:
     case Kernel::GemmIm2col:
@@ -1007,7 +1013,8 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
       auto result = k == Kernel::GroupedLanes ? grouped_lanes_backward(a, e)
           : k == Kernel::GemmIm2col           ? gemm_backward(a, e, GemmAlgorithm::Im2col)
           : k == Kernel::GemmKn2row           ? gemm_backward(a, e, GemmAlgorithm::Kn2row)
-                                              : direct_backward(a, e);
+          : k == Kernel::DepthwiseLanes       ? direct_backward(a, e, DepthwiseWalk::Lanes)
+                                              : direct_backward(a, e, DepthwiseWalk::Plane);
       if (cpu && a.output_mask[1] && !all_finite(std::get<1>(result))) return std::nullopt;
       return result;
     }
@@ -1160,7 +1167,7 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
   run_kernel(Kernel::Native, a, e);
   times[0].push_back(elapsed_us(t0));
   for (size_t i = 1; i < candidates.size(); ++i) {
-    const std::string name = kernel_name(candidates[i], a, e);
+    const std::string name = kernel_name(candidates[i]);
     t0 = std::chrono::steady_clock::now();
     auto result = run_kernel(candidates[i], a, e);
     const double t = elapsed_us(t0);
@@ -1183,7 +1190,7 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
     if (alive[i] && times[i][0] > kSlowCutoff * fastest) {
       alive[i] = false;
       out.rejected.emplace_back(
-          kernel_name(candidates[i], a, e), c10::str("slow: ", times[i][0], " us vs ", fastest, " us on the first run"));
+          kernel_name(candidates[i]), c10::str("slow: ", times[i][0], " us vs ", fastest, " us on the first run"));
     }
   }
   for (int round = 0; round < kRounds; ++round) {
@@ -1201,7 +1208,7 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
   for (size_t i = 0; i < candidates.size(); ++i) {
     if (!alive[i]) continue;
     const double us = median(times[i]);
-    out.times_us.emplace_back(kernel_name(candidates[i], a, e), us);
+    out.times_us.emplace_back(kernel_name(candidates[i]), us);
     if (i > 0 && us < best) {
       best = us;
       out.kernel = candidates[i];
@@ -1235,7 +1242,7 @@ Kernel usable_kernel(Kernel tuned, Kernel static_choice, const Args& a, const Ex
 
 // The kernel that serves a call of class `cls`: the table's, or the tuned one (tuning it first).
 Kernel choose_kernel(const Args& a, const Expanded& e, LayerClass cls) {
-  const Kernel static_choice = static_kernel(cls, a);
+  const Kernel static_choice = static_kernel(cls, a, e);
   if (static_choice_only(cls, a)) return static_choice;
   auto& tuner = autotuner();
   const Signature key = signature(a);
@@ -1270,7 +1277,7 @@ Result compiled_backward(const Args& a) {
     result = run_kernel(kernel, a, e);
   }
   counters().kernel[static_cast<int>(kernel)].fetch_add(1, std::memory_order_relaxed);
-  last_call.kernel = kernel_name(kernel, a, e);
+  last_call.kernel = kernel_name(kernel);
   return *result;
 }
 
@@ -1346,10 +1353,27 @@ auto with_aten_args(F f) {
 std::string planned_kernel_name(const Args& a) {
   const Expanded e = check_args(a);
   const LayerClass cls = classify(a, e);
-  const Kernel static_choice = static_kernel(cls, a);
-  if (static_choice_only(cls, a)) return kernel_name(static_choice, a, e);
+  const Kernel static_choice = static_kernel(cls, a, e);
+  if (static_choice_only(cls, a)) return kernel_name(static_choice);
   const auto kernel = tuned_kernel(signature(a));
-  return kernel ? kernel_name(usable_kernel(*kernel, static_choice, a, e), a, e) : "tuning";
+  return kernel ? kernel_name(usable_kernel(*kernel, static_choice, a, e)) : "tuning";
+}
+
+// Runs one named candidate kernel on a call (tests and benchmarks compare the candidates): raises
+// ValueError when the kernel cannot compute the call (with why), returns None when it declines it
+// (non-finite values).
+std::optional<Result> run_named_kernel(const std::string& name, const Args& a) {
+  const Expanded e = check_args(a);
+  const LayerClass cls = classify(a, e);
+  int index = 0;
+  while (index < static_cast<int>(Kernel::Count) && name != kKernelNames[index]) ++index;
+  if (index == static_cast<int>(Kernel::Count)) throw py::value_error("unknown kernel " + name);
+  const Kernel k = static_cast<Kernel>(index);
+  if (k != static_kernel(cls, a, e)) {
+    if (!tunable(cls, a)) throw py::value_error(c10::str("a call of class ", kLayerClasses[static_cast<int>(cls)].name, " is served by ", kernel_name(static_kernel(cls, a, e)), " only"));
+    if (auto why = candidate_unsupported(k, a, e)) throw py::value_error(name + " cannot compute this call: " + *why);
+  }
+  return run_kernel(k, a, e);
 }
 
 std::string layer_class_name(const Args& a) {
@@ -1360,7 +1384,9 @@ std::string layer_class_name(const Args& a) {
 std::optional<std::string> depthwise_kernel_name(const Args& a) {
   const Expanded e = check_args(a);
   if (classify(a, e) != LayerClass::Depthwise || !a.grad_output.is_cpu()) return std::nullopt;
-  return std::string(depthwise_cpu_kernel(direct_problem(a, e), a.grad_output.scalar_type()));
+  return std::string(depthwise_table_walk(direct_problem(a, e), a.grad_output.scalar_type()) == DepthwiseWalk::Lanes
+                         ? "channels-in-lanes"
+                         : "per-plane");
 }
 
 py::dict py_stats() {
@@ -1505,6 +1531,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("planned_kernel", with_aten_args(planned_kernel_name),
         "The kernel a call will run (the table's or the tuned one; 'tuning' before its signature is tuned), "
         "after checking its arguments; runs nothing.");
+  m.def("run_kernel",
+        [](const std::string& name, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+           std::optional<IntList> bias_sizes, IntList stride, IntList padding, IntList dilation, bool transposed,
+           IntList output_padding, int64_t groups, Mask output_mask) {
+          return with_aten_args([&](const Args& a) { return run_named_kernel(name, a); })(
+              grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+              output_mask);
+        },
+        "run_kernel(name, *aten_args): the result of candidate kernel `name` (kernel_names()) on a call, None when "
+        "it declines the call (non-finite values); ValueError when it cannot compute the call.");
   m.def("layer_class", with_aten_args(layer_class_name), "The layer class (see layer_classes()) of a call, after checking its arguments.");
   m.def("depthwise_kernel", with_aten_args(depthwise_kernel_name),
         "'channels-in-lanes' or 'per-plane': the CPU kernel (cpu/depthwise.cpp) that computes a call of the depthwise "

@@ -68,13 +68,16 @@ void gemm_backward_cpu(
 
 // The fused depthwise kernel (cpu/depthwise.cpp): groups == C_in (in_per_group == 1), any channel
 // multiplier. grad_input / grad_weight as above and grad_bias (C_out,), each computed when its pointer
-// is not null (then weight / input must be defined), all in one pass over grad_output. Small or
-// strided planes are computed with channels in the vector lanes, others plane by plane
-// (depthwise_cpu_kernel says which).
-const char* depthwise_cpu_kernel(const DirectProblem& p, at::ScalarType dtype);
+// is not null (then weight / input must be defined), all in one pass over grad_output, by one of two
+// walks: plane by plane, or with channels in the vector lanes (any plane whose tiles fit
+// depthwise_lanes_fits). Both are candidates of the autotuner; depthwise_table_walk is the table's
+// choice (small or strided planes: lanes).
+enum class DepthwiseWalk { Plane, Lanes };
+bool depthwise_lanes_fits(const DirectProblem& p, at::ScalarType dtype);
+DepthwiseWalk depthwise_table_walk(const DirectProblem& p, at::ScalarType dtype);
 void depthwise_backward_cpu(
-    const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
-    at::Tensor* grad_input, at::Tensor* grad_weight, at::Tensor* grad_bias);
+    const DirectProblem& p, DepthwiseWalk walk, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight, at::Tensor* grad_bias);
 
 // The grouped kernel (cpu/grouped.cpp, on the channels-in-lanes tiles of cpu/fused.h): groups > 1 with 2 to 64
 // channels per group on each side, where grouped_lanes_applies() (its tiles fit L2). grad_input /

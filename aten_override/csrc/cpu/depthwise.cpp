@@ -532,16 +532,24 @@ inline void lanes_gather(
   lanes_gather_d(walk, o, out, gs, w, acc);
 }
 
-// Largest input plane, and strided: largest grad_output plane, the channels-in-lanes kernel takes.
-// Measured (float32 / bfloat16, 2 threads, MobileNetV2 / EfficientNet depthwise stages): stride 1,
-// 7x7 to 10x10 planes 0.5-0.65x the per-plane kernel's time, 12x12 1.1x, 14x14 1.2x, 56x56 1.25x;
-// stride 2, 14x14 to 56x56 inputs 0.45-0.75x, 112x112 1.05x.
+// The table's choice between the two walks (the autotuner measures both where both apply).
+// Largest input plane, and strided: largest grad_output plane, the channels-in-lanes walk takes.
+// Measured once (float32 / bfloat16, 2 threads, MobileNetV2 / EfficientNet depthwise stages, a
+// Sapphire Rapids VM): stride 1, 7x7 to 10x10 planes 0.5-0.65x the per-plane kernel's time, 12x12
+// 1.1x, 14x14 1.2x, 56x56 1.25x; stride 2, 14x14 to 56x56 inputs 0.45-0.75x, 112x112 1.05x.
 constexpr int64_t kLanesMaxPlane = 128;
 constexpr int64_t kLanesMaxStridedPlane = 1024;
 
-// Whether the channels-in-lanes kernel computes p, with `lanes` channels per vector: small or strided
-// planes, and enough channels to fill at least half the lanes.
-bool lanes_kernel_applies(const DirectProblem& p, int64_t lanes) {
+// Bound on the channels-in-lanes walk's per-thread tiles (input, spread grad_output, grad_input; L
+// channels of a whole padded plane each): beyond it a plane no longer fits any cache level and the
+// walk is not a candidate.
+constexpr int64_t kLanesMaxTileBytes = int64_t{16} << 20;
+
+int64_t lanes_of(at::ScalarType dtype) {
+  return dtype == at::kDouble ? Vec<double>::size : Vec<float>::size;
+}
+
+bool lanes_walk_preferred(const DirectProblem& p, int64_t lanes) {
   const bool strided = p.stride[0] > 1 || p.stride[1] > 1 || p.stride[2] > 1;
   const int64_t in_plane = p.in[0] * p.in[1] * p.in[2], out_plane = p.out[0] * p.out[1] * p.out[2];
   return 2 * p.groups >= lanes && (in_plane <= kLanesMaxPlane || (strided && out_plane <= kLanesMaxStridedPlane));
@@ -645,22 +653,27 @@ void depthwise_lanes_impl(
 
 }  // namespace
 
-const char* depthwise_cpu_kernel(const DirectProblem& p, at::ScalarType dtype) {
-  const int64_t lanes = dtype == at::kDouble ? Vec<double>::size : Vec<float>::size;
-  return lanes_kernel_applies(p, lanes) ? "channels-in-lanes" : "per-plane";
+bool depthwise_lanes_fits(const DirectProblem& p, at::ScalarType dtype) {
+  const Plane g = make_plane(p, 1);
+  const int64_t element = dtype == at::kDouble ? 8 : 4;
+  return (g.margin + 3 * (g.size + 1)) * lanes_of(dtype) * element <= kLanesMaxTileBytes;
+}
+
+DepthwiseWalk depthwise_table_walk(const DirectProblem& p, at::ScalarType dtype) {
+  return lanes_walk_preferred(p, lanes_of(dtype)) && depthwise_lanes_fits(p, dtype) ? DepthwiseWalk::Lanes
+                                                                                       : DepthwiseWalk::Plane;
 }
 
 void depthwise_backward_cpu(
-    const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
-    at::Tensor* grad_input, at::Tensor* grad_weight, at::Tensor* grad_bias) {
+    const DirectProblem& p, DepthwiseWalk walk, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight, at::Tensor* grad_bias) {
   TORCH_INTERNAL_ASSERT(p.in_per_group == 1 && grad_output.is_contiguous());
   TORCH_INTERNAL_ASSERT(!grad_input || (grad_input->is_contiguous() && weight.is_contiguous()));
   TORCH_INTERNAL_ASSERT(!grad_weight || (grad_weight->is_contiguous() && input.is_contiguous()));
   TORCH_INTERNAL_ASSERT(!grad_bias || grad_bias->is_contiguous());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_output.scalar_type(), "depthwise_backward_cpu", [&] {
     const auto data = [](at::Tensor* t) { return t ? t->data_ptr<scalar_t>() : nullptr; };
-    const auto impl = lanes_kernel_applies(p, Vec<acc_type<scalar_t>>::size) ? depthwise_lanes_impl<scalar_t>
-                                                                               : depthwise_impl<scalar_t>;
+    const auto impl = walk == DepthwiseWalk::Lanes ? depthwise_lanes_impl<scalar_t> : depthwise_impl<scalar_t>;
     impl(
         p, grad_output.const_data_ptr<scalar_t>(), grad_weight ? input.const_data_ptr<scalar_t>() : nullptr,
         grad_input ? weight.const_data_ptr<scalar_t>() : nullptr, data(grad_input), data(grad_weight), data(grad_bias));

@@ -138,7 +138,7 @@ def test_static_table_never_times(how):
             _OP(*args)
     stats = aten_override.stats()
     assert "compiled_tuning" not in stats and autotune.entries() == [], stats
-    assert stats["compiled_kernels"] == {"depthwise": 1}, stats  # the table's choice
+    assert stats["compiled_kernels"] == {"depthwise-lanes": 1}, stats  # the table's choice (a 10x10 plane: channels in lanes)
 
 
 def test_signature_includes_layout_and_threads():
@@ -270,7 +270,7 @@ def test_profiler_range_names_the_kernel():
     assert compiled.planned_kernel(ConvolutionBackwardArgs(*args)) == kernel.removeprefix("compiled/")
 
 
-@pytest.mark.parametrize("claimed", ["depthwise", "gemm-kn2row", "grouped-lanes", "zeros", "sum", "upcast", "test"])
+@pytest.mark.parametrize("claimed", ["depthwise-lanes", "gemm-kn2row", "grouped-lanes", "zeros", "sum", "upcast", "test"])
 def test_a_tampered_results_file_never_runs_a_kernel_that_cannot_serve_the_call(tmp_path, claimed):
     """A results file (valid header) naming, for a dense 3x3 layer, a kernel that cannot compute it
     (gemm-kn2row and grouped-lanes assert, zeros returns zeros): the table decides."""

@@ -1,0 +1,125 @@
+r"""Every candidate kernel of the compiled backend's measured choice, on every call it claims.
+
+The autotuner may pick any kernel whose predicate (``candidate_unsupported`` in
+``csrc/convolution_backward.cpp``) accepts a call, on whichever machine it runs: a kernel that only
+wins elsewhere must still be right here. So each kernel is run by name (``_C.run_kernel``) on a
+matrix of calls — every class, 1-D/2-D/3-D, strided / padded / dilated, channel multipliers, every
+floating dtype, channels-last, every output mask, and planes beyond the sizes the layer-class table
+gives a kernel (the channels-in-lanes depthwise walk on 113x113 stride-2 and 56x56 planes) — and
+its result is compared with the original kernel's and float64's (values, dtypes, shapes, strides).
+A kernel that cannot compute a call must say why (``ValueError``), never run.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from aten_override.ops.convolution_backward import compiled
+from aten_override.testing.comparison import call_native, check_against_native, float64_reference
+
+pytestmark = pytest.mark.skipif(compiled.unavailable_reason() is not None, reason=str(compiled.unavailable_reason()))
+
+# The kernels the autotuner chooses between (not the correctness classes zeros / sum / upcast, nor
+# the autotuner's fake test candidate).
+CANDIDATES = ("native", "depthwise-plane", "depthwise-lanes", "direct", "grouped-lanes", "gemm-im2col", "gemm-kn2row")
+
+
+def _call(c_in, c_out, groups, kernel, spatial, *, stride=1, padding=0, dilation=1, batch=2,
+          dtype=torch.float32, channels_last=False, mask=(True, True, True), seed=0):
+    dims = len(spatial)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, c_in, *spatial, generator=g)
+    w = torch.randn(c_out, c_in // groups, *([kernel] * dims), generator=g)
+    conv = (torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d)[dims - 1]
+    y = conv(x, w, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    go = torch.randn(y.shape, generator=g)
+    x, w, go = x.to(dtype), w.to(dtype), go.to(dtype)
+    if channels_last:
+        fmt = torch.channels_last if dims == 2 else torch.channels_last_3d
+        x, go = x.contiguous(memory_format=fmt), go.contiguous(memory_format=fmt)
+    return (go, x, w, [c_out], [stride] * dims, [padding] * dims, [dilation] * dims, False, [0] * dims, groups,
+            list(mask))
+
+
+def _calls():
+    calls = {
+        # depthwise: the table gives lanes only small or strided planes; both walks are candidates everywhere
+        "depthwise 113x113 s2 (MobileNetV2 layer.0)": _call(20, 20, 20, 3, (33, 113), stride=2),
+        "depthwise 56x56 k3 p1": _call(18, 18, 18, 3, (56, 56), padding=1),
+        "depthwise 28x28 k7 p3 x2": _call(17, 34, 17, 7, (28, 28), padding=3),
+        "depthwise 1-D k31 (Conformer)": _call(24, 24, 24, 31, (300,), padding=15),
+        "depthwise 3-D dilated": _call(16, 16, 16, 3, (6, 12, 12), padding=2, dilation=2),
+        "depthwise 5x5 s2 bf16": _call(20, 20, 20, 5, (29, 29), stride=2, padding=2, dtype=torch.bfloat16),
+        "depthwise 14x14 f16": _call(20, 20, 20, 3, (14, 14), padding=1, dtype=torch.float16),
+        "depthwise 14x14 f64 x2": _call(9, 18, 9, 3, (14, 14), padding=1, dtype=torch.float64),
+        "depthwise channels_last s2": _call(20, 20, 20, 3, (23, 23), stride=2, padding=1, channels_last=True),
+        "grouped 4 per group s2": _call(16, 16, 4, 3, (15, 15), stride=2, padding=1),
+        "grouped 16 per group s2": _call(64, 64, 4, 3, (16, 16), stride=2, padding=1),
+        "grouped 1-D k16 (wav2vec2 pos_conv)": _call(32, 32, 4, 16, (20,), padding=8),
+        "one-channel 1-D k10 s5": _call(1, 16, 1, 10, (400,), stride=5),
+        "dense 3x3": _call(8, 12, 1, 3, (10, 10), padding=1),
+        "pointwise s2": _call(16, 24, 1, 1, (14, 14), stride=2),
+        "pointwise channels_last bf16": _call(32, 16, 1, 1, (8, 8), dtype=torch.bfloat16, channels_last=True),
+        "1-D k3 s2 (wav2vec2 feature encoder)": _call(16, 16, 1, 3, (199,), stride=2),
+        "3x1x1 (R(2+1)D)": _call(8, 8, 1, 1, (6, 7, 7)),
+        "3-D 3x3x3": _call(4, 6, 1, 3, (5, 6, 6), padding=1),
+    }
+    # kn2row: taps in one dim only
+    go, x, w, *rest = _call(8, 8, 1, 1, (6, 7, 7))
+    w3 = torch.randn(8, 8, 3, 1, 1, generator=torch.Generator().manual_seed(1))
+    go3 = torch.randn(2, 8, 4, 7, 7, generator=torch.Generator().manual_seed(2))
+    calls["3x1x1 (R(2+1)D)"] = (go3, x, w3, [8], [1, 1, 1], [0, 0, 0], [1, 1, 1], False, [0, 0, 0], 1, [True, True, True])
+    for mask in ((True, False, False), (False, True, True), (False, True, False)):
+        name = f"depthwise 56x56 mask {''.join('1' if m else '0' for m in mask)}"
+        calls[name] = _call(18, 18, 18, 3, (20, 56), padding=1, mask=mask)
+    return calls
+
+
+CALLS = _calls()
+
+
+def _claimed():
+    ext = compiled.extension()
+    cases = []
+    for (name, args), kernel in itertools.product(CALLS.items(), CANDIDATES):
+        try:
+            ext.run_kernel(kernel, *args)
+        except ValueError:
+            continue
+        cases.append(pytest.param(kernel, name, id=f"{kernel}-{name}"))
+    return cases
+
+
+@pytest.mark.parametrize("kernel,call", _claimed() if compiled.unavailable_reason() is None else [])
+def test_candidate_matches_native(kernel, call):
+    args = CALLS[call]
+    ours = compiled.extension().run_kernel(kernel, *args)
+    assert ours is not None, f"{kernel} declined finite inputs"
+    reference = None if args[0].dtype is torch.float64 else float64_reference(args)
+    check_against_native(ours, call_native(args), reference, output_mask=args[-1], where=f"{kernel} on {call}")
+
+
+def test_every_depthwise_call_has_both_walks():
+    """Both depthwise walks are candidates on every depthwise call here (the tiles fit)."""
+    ext = compiled.extension()
+    for name, args in CALLS.items():
+        if name.startswith("depthwise"):
+            for kernel in ("depthwise-plane", "depthwise-lanes"):
+                ext.run_kernel(kernel, *args)  # raises ValueError if not a candidate
+
+
+def test_a_kernel_that_cannot_compute_a_call_says_why():
+    ext = compiled.extension()
+    with pytest.raises(ValueError, match="depthwise-lanes cannot compute this call: not depthwise"):
+        ext.run_kernel("depthwise-lanes", *CALLS["dense 3x3"])
+    with pytest.raises(ValueError, match="gemm-kn2row cannot compute this call"):
+        ext.run_kernel("gemm-kn2row", *CALLS["dense 3x3"])
+    with pytest.raises(ValueError, match="unknown kernel"):
+        ext.run_kernel("depthwise", *CALLS["dense 3x3"])
+    # lanes tiles beyond 16 MiB: a 1-D plane of 2^20 positions (16 lanes x 4 bytes x 3 tiles)
+    big = _call(16, 16, 16, 3, (1 << 20,), padding=1, batch=1)
+    with pytest.raises(ValueError, match="exceed 16 MiB"):
+        ext.run_kernel("depthwise-lanes", *big)
