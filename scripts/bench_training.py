@@ -13,10 +13,15 @@ allocator).
 Then ``--trace-steps`` extra steps per side run under ``aten_override.trace()`` (the minimum over them
 of each time is taken): the convolution backward's share of a step (the sum of the traced
 ``convolution_backward`` calls over the traced step's wall time; the tracer's module hooks make that
-step a little slower than an untimed one) and the top 5 conv layers by native backward time, with what served each: native's backend (upstream's choice,
-``Mkldnn``, ``Slow2d``, ...) and the compiled backend's layer class and the kernel that ran it
-(``class/kernel``: the layer-class table's choice, or the autotuner's when ``ATEN_OVERRIDE_AUTOTUNE``
-is unset or ``1``; tuning happens in the warmup steps).
+step a little slower than an untimed one), that sum on each side and its ratio (the *conv backward
+time ratio*), and the top 8 conv layers by backward time on either side with what served each:
+native's backend (upstream's choice, ``Mkldnn``, ``Slow2d``, ...) and the compiled backend's layer
+class and the kernel that ran it (``class/kernel``: the layer-class table's choice, or the
+autotuner's when ``ATEN_OVERRIDE_AUTOTUNE`` is unset or ``1``; tuning happens in the warmup steps),
+with our GFLOP/s and % of the roofline against the machine's measured peaks (the header). A last
+line says on how many layers native stays the winner (the autotuner measured it fastest) and what
+they cost on each side. The summary gives, per thread count, the geometric means of the step ratio
+and of the conv backward time ratio.
 
 Models (``--models``; inputs: ``--batch`` images of ``--image-size`` or clips / audio):
 
@@ -51,6 +56,7 @@ import argparse
 import contextlib
 import csv
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -195,6 +201,7 @@ MODELS: dict[str, Callable] = {
 }
 QUICK_MODELS = ("mobilenet_v2", "efficientnet_b0", "resnet50", "wav2vec2_base")
 SIDES = ("native", "compiled")
+TOP_LAYERS = 8
 
 
 def build(name: str, args) -> tuple[Workload, torch.optim.Optimizer]:
@@ -245,6 +252,8 @@ class Layer:
     calls: int = 0
     us: float = 0.0
     served: str = ""
+    flops: float = 0.0  # grad_input + grad_weight multiply-adds x 2, summed over the calls
+    bytes: float = 0.0  # one pass over each tensor read or written, summed over the calls
 
 
 def traced_steps(w: Workload, opt, name: str, steps: int) -> tuple[float, dict[str, Layer]]:
@@ -264,10 +273,29 @@ def traced_steps(w: Workload, opt, name: str, steps: int) -> tuple[float, dict[s
             layer.calls += 1
             layer.us += call.time_us or 0.0
             layer.served = call.native_backend if name == "native" else _compiled_kernel(call)
+            flops, nbytes = call_cost(call)
+            layer.flops += flops
+            layer.bytes += nbytes
         for module, layer in this_step.items():
             if module not in layers or layer.us < layers[module].us:
                 layers[module] = layer
     return min(walls), layers
+
+
+def call_cost(call) -> tuple[float, float]:
+    """(FLOPs, bytes) of a traced ``convolution_backward`` call, for its roofline: 2 x the forward's
+    multiply-adds for each of grad_input and grad_weight the mask asks for, and one pass over the
+    tensors it reads (grad_output; input for grad_weight; weight for grad_input) and writes."""
+    a = call.args
+    go, x, w, mask = a["grad_output"], a["input"], a["weight"], a["output_mask"]
+    small = x.shape[2:] if a["transposed"] else go.shape[2:]  # the side the kernel slides over
+    macs = math.prod(w.shape) * go.shape[0] * math.prod(small)
+    elements = math.prod(go.shape)
+    if mask[0]:
+        elements += math.prod(w.shape) + math.prod(x.shape)
+    if mask[1]:
+        elements += math.prod(x.shape) + math.prod(w.shape)
+    return 2.0 * macs * (int(mask[0]) + int(mask[1])), elements * torch.empty((), dtype=getattr(torch, go.dtype)).element_size()
 
 
 def _short_module(module: str | None) -> str:
@@ -293,9 +321,11 @@ def _compiled_kernel(call) -> str:
     return f"{cls}/{(call.kernel or 'compiled/?').removeprefix('compiled/')}"
 
 
-def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, rounds: int) -> dict:
+def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, rounds: int, machine) -> dict:
     """Print one model's result; return its summary row (times in ms, shares in %)."""
-    shares = {s: 100 * sum(layer.us for layer in traces[s][1].values()) / 1e6 / traces[s][0] for s in SIDES}
+    conv_us = {s: sum(layer.us for layer in traces[s][1].values()) for s in SIDES}
+    shares = {s: 100 * conv_us[s] / 1e6 / traces[s][0] for s in SIDES}
+    conv_ratio = conv_us["compiled"] / conv_us["native"] if conv_us["native"] else float("nan")
     print(f"\n== {w.name} ({w.shape}), {threads} threads ==")
     print(
         f"step: native {times['native'] * 1e3:.1f} ms, compiled {times['compiled'] * 1e3:.1f} ms, "
@@ -304,31 +334,60 @@ def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, r
     print(
         "conv backward share of a traced step: "
         + ", ".join(f"{s} {shares[s]:.0f}% of {traces[s][0] * 1e3:.0f} ms" for s in SIDES)
+        + f"; its time (the tracer's sum): native {conv_us['native'] / 1e3:.1f} ms, compiled "
+        f"{conv_us['compiled'] / 1e3:.1f} ms, ratio {conv_ratio:.2f}"
     )
     native, ours = traces["native"][1], traces["compiled"][1]
-    print("top 5 conv layers by native backward time:")
-    print(f"  {'layer':58s} {'calls':>5s} {'native ms':>9s} {'upstream':10s} {'compiled ms':>11s} {'class':27s} ratio")
-    for module, layer in sorted(native.items(), key=lambda kv: -kv[1].us)[:5]:
-        o = ours.get(module, Layer(served="-"))
+    print(f"top {TOP_LAYERS} conv layers by backward time (either side); GFLOP/s and % of roofline (measured peaks) of ours:")
+    print(
+        f"  {'layer':50s} {'calls':>5s} {'native ms':>9s} {'upstream':10s} {'compiled ms':>11s} {'class/kernel':27s} "
+        f"{'ratio':>5s} {'GFLOP/s':>7s} {'roof%':>5s}"
+    )
+    def worst(module):
+        return max(native[module].us, ours.get(module, Layer()).us)
+    for module in sorted(native, key=worst, reverse=True)[:TOP_LAYERS]:
+        layer, o = native[module], ours.get(module, Layer(served="-"))
         r = o.us / layer.us if layer.us else float("nan")
+        seconds = o.us / 1e6
+        roof = max(o.flops / machine.peak(torch.float32), o.bytes / machine.bandwidth) if seconds else float("nan")
         print(
-            f"  {_tail(module, 58):58s} {layer.calls:5d} {layer.us / 1e3:9.2f} {layer.served[:10]:10s} "
-            f"{o.us / 1e3:11.2f} {o.served[:27]:27s} {r:5.2f}"
+            f"  {_tail(module, 50):50s} {layer.calls:5d} {layer.us / 1e3:9.2f} {layer.served[:10]:10s} "
+            f"{o.us / 1e3:11.2f} {o.served[:27]:27s} {r:5.2f} {o.flops / seconds / 1e9 if seconds else 0:7.1f} "
+            f"{100 * roof / seconds if seconds else 0:5.0f}"
+        )
+    stays = {m: native[m] for m, o in ours.items() if o.served.endswith("/native") and m in native}
+    if stays:
+        stay_native = sum(layer.us for layer in stays.values())
+        stay_ours = sum(ours[m].us for m in stays)
+        print(
+            f"native stays the winner (measured) on {len(stays)} of {len(ours)} layers: {stay_native / 1e3:.1f} ms "
+            f"natively, {stay_ours / 1e3:.1f} ms through our backend (ratio {stay_ours / stay_native:.2f})"
         )
     return {
         "model": w.name, "input": w.shape, "threads": threads,
         "native_ms": times["native"] * 1e3, "compiled_ms": times["compiled"] * 1e3, "ratio": ratio,
         "native_conv_bwd_pct": shares["native"], "compiled_conv_bwd_pct": shares["compiled"],
+        "native_conv_bwd_ms": conv_us["native"] / 1e3, "compiled_conv_bwd_ms": conv_us["compiled"] / 1e3,
+        "conv_bwd_ratio": conv_ratio,
     }
 
 
 def print_summary(rows: list[dict]) -> None:
     print(f"\n{'model':16s} {'input':20s} {'threads':>7s} {'native ms':>10s} {'compiled ms':>11s} {'ratio':>6s} "
-          f"{'conv bwd % native':>17s} {'ours':>5s}")
+          f"{'conv bwd % native':>17s} {'ours':>5s} {'conv bwd ratio':>14s}")
     for r in rows:
         print(
             f"{r['model']:16s} {r['input']:20s} {r['threads']:7d} {r['native_ms']:10.1f} {r['compiled_ms']:11.1f} "
-            f"{r['ratio']:6.2f} {r['native_conv_bwd_pct']:17.0f} {r['compiled_conv_bwd_pct']:5.0f}"
+            f"{r['ratio']:6.2f} {r['native_conv_bwd_pct']:17.0f} {r['compiled_conv_bwd_pct']:5.0f} {r['conv_bwd_ratio']:14.2f}"
+        )
+    for threads in sorted({r["threads"] for r in rows}):
+        these = [r for r in rows if r["threads"] == threads]
+        step = statistics.geometric_mean([r["ratio"] for r in these])
+        conv = statistics.geometric_mean([r["conv_bwd_ratio"] for r in these])
+        worst = max(these, key=lambda r: r["ratio"])
+        print(
+            f"geomean at {threads} threads over {len(these)} models: step ratio {step:.2f}, conv backward time ratio "
+            f"{conv:.2f}; slowest step ratio {worst['ratio']:.2f} ({worst['model']})"
         )
 
 
@@ -360,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
-        print(_machine.header(_machine.measure()), flush=True)
+        machine = _machine.measure()
+        print(_machine.header(machine), flush=True)
         for name in args.models:
             try:
                 w, opt = build(name, args)
@@ -369,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             times, ratio = time_interleaved(w, opt, args.rounds, args.steps, args.warmup)
             traces = {s: traced_steps(w, opt, s, args.trace_steps) for s in SIDES}
-            rows.append(report(w, threads, times, ratio, traces, args.rounds))
+            rows.append(report(w, threads, times, ratio, traces, args.rounds, machine))
             sys.stdout.flush()
     print_summary(rows)
     if args.csv and rows:

@@ -51,4 +51,6 @@ def test_bench_training_prints_a_ratio_row():
     row = next(line.split() for line in out.splitlines() if line.startswith("resnet50 "))
     assert row[:3] == ["resnet50", "1x3x64x64", "1"], row
     assert float(row[5]) > 0, row  # compiled / native
-    assert "top 5 conv layers" in out and ("dense" in out or "pointwise" in out), out
+    assert float(row[-1]) > 0, row  # conv backward time, compiled / native
+    assert "top 8 conv layers" in out and ("dense" in out or "pointwise" in out), out
+    assert "GFLOP/s" in out and "geomean at 1 threads over 1 models: step ratio" in out, out
