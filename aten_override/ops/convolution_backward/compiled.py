@@ -18,8 +18,8 @@ empty                zeros    zero batch / zero input channels (upstream's Empty
 depthwise            direct   ``groups == C_in`` (any channel multiplier, any plane size): native
                               reaches 1-6% of FLOP peak; fused kernel (``csrc/cpu/depthwise.cpp``),
                               grad_input and grad_weight in one pass over grad_output and input;
-                              small or strided planes with channels in the vector lanes
-                              (:func:`depthwise_kernel`)
+                              the table takes channels in the vector lanes on small or strided
+                              planes (:func:`depthwise_kernel`); the autotuner measures both walks
 grouped              direct   ``1 < groups < C_in``, ``(C_in/groups)*(C_out/groups) <= 64``; larger groups: dense
 one-channel          direct   ``groups == 1, C_in == 1`` (wav2vec2's first layer)
 small-planes         native   grouped / one-channel with under 64 output elements per channel: the
@@ -167,8 +167,9 @@ def planned_kernel(args: ConvolutionBackwardArgs) -> str:
 
 
 def depthwise_kernel(args: ConvolutionBackwardArgs) -> str | None:
-    """Which CPU kernel of ``csrc/cpu/depthwise.cpp`` computes ``args`` when its class is ``depthwise``:
-    ``"channels-in-lanes"`` (planes of at most 128 elements, or strided with at most 1,024 grad_output
+    """The layer-class table's walk of ``csrc/cpu/depthwise.cpp`` for ``args`` when its class is
+    ``depthwise`` (the autotuner measures both walks, ``depthwise-lanes`` and ``depthwise-plane``, and
+    :func:`planned_kernel` says which it chose): ``"channels-in-lanes"`` (planes of at most 128 elements, or strided with at most 1,024 grad_output
     elements per plane, and at least half a vector of channels: 8 for float32 / bfloat16 / float16, 4
     for float64) or ``"per-plane"``; ``None`` for other classes and for CUDA calls.
 
