@@ -806,8 +806,11 @@ Result direct_backward(const Args& a, const Expanded& e, DepthwiseWalk walk = De
   return {gi, gw, gb};
 }
 
-// The grouped-lanes class: grad_input and grad_weight from the grouped kernel, in upstream's layout.
-Result grouped_lanes_backward(const Args& a, const Expanded& e) {
+// The result of a kernel that computes into contiguous buffers from contiguous tensors, in upstream's
+// layout: compute(grad_output, input, weight, grad_input*, grad_weight*) (input is only read for
+// grad_weight, weight only for grad_input; a pointer is null when the mask leaves its output out).
+template <typename Compute>
+Result contiguous_kernel_backward(const Args& a, Compute compute) {
   const OutputLayout layout = output_layout(a);
   at::Tensor gi, gw, gb, gi_buffer, gw_buffer;
   const auto contiguous_buffer = [](const at::Tensor& out) {
@@ -815,8 +818,8 @@ Result grouped_lanes_backward(const Args& a, const Expanded& e) {
   };
   if (a.output_mask[0]) gi_buffer = contiguous_buffer(gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt));
   if (a.output_mask[1]) gw_buffer = contiguous_buffer(gw = empty_like_native_weight(a.weight, layout));
-  grouped_lanes_backward_cpu(
-      direct_problem(a, e), a.grad_output.contiguous(), a.output_mask[1] ? a.input.contiguous() : at::Tensor(),
+  compute(
+      a.grad_output.contiguous(), a.output_mask[1] ? a.input.contiguous() : at::Tensor(),
       a.output_mask[0] ? a.weight.contiguous() : at::Tensor(), gi.defined() ? &gi_buffer : nullptr,
       gw.defined() ? &gw_buffer : nullptr);
   if (gi.defined() && !gi.is_same(gi_buffer)) gi.copy_(gi_buffer);
@@ -825,29 +828,13 @@ Result grouped_lanes_backward(const Args& a, const Expanded& e) {
   return {gi, gw, gb};
 }
 
+Result grouped_lanes_backward(const Args& a, const Expanded& e) {
+  return contiguous_kernel_backward(a, [&](auto&&... t) { grouped_lanes_backward_cpu(direct_problem(a, e), t...); });
+}
+
 // The GEMM kernels' result, in upstream's layout.
 Result gemm_backward(const Args& a, const Expanded& e, GemmAlgorithm algorithm) {
-  const OutputLayout layout = output_layout(a);
-  at::Tensor gi, gw, gb, gi_buffer, gw_buffer;
-  const auto contiguous_buffer = [](const at::Tensor& out) {
-    return out.is_contiguous() ? out : at::empty(out.sizes(), out.options().memory_format(at::MemoryFormat::Contiguous));
-  };
-  if (a.output_mask[0]) {
-    gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt);
-    gi_buffer = contiguous_buffer(gi);
-  }
-  if (a.output_mask[1]) {
-    gw = empty_like_native_weight(a.weight, layout);
-    gw_buffer = contiguous_buffer(gw);
-  }
-  gemm_backward_cpu(
-      algorithm, direct_problem(a, e), a.grad_output.contiguous(),
-      a.output_mask[1] ? a.input.contiguous() : at::Tensor(), a.output_mask[0] ? a.weight.contiguous() : at::Tensor(),
-      a.output_mask[0] ? &gi_buffer : nullptr, a.output_mask[1] ? &gw_buffer : nullptr);
-  if (a.output_mask[0] && !gi_buffer.is_same(gi)) gi.copy_(gi_buffer);
-  if (a.output_mask[1] && !gw_buffer.is_same(gw)) gw.copy_(gw_buffer);
-  if (a.output_mask[2]) gb = grad_bias(a.grad_output);
-  return {gi, gw, gb};
+  return contiguous_kernel_backward(a, [&](auto&&... t) { gemm_backward_cpu(algorithm, direct_problem(a, e), t...); });
 }
 
 // The dead-taps class: native's result computed in `compute` (float32; float64 where native's

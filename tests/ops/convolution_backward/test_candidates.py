@@ -63,6 +63,13 @@ def _calls():
         "dense 3x3": _call(8, 12, 1, 3, (10, 10), padding=1),
         "pointwise s2": _call(16, 24, 1, 1, (14, 14), stride=2),
         "pointwise channels_last bf16": _call(32, 16, 1, 1, (8, 8), dtype=torch.bfloat16, channels_last=True),
+        # GEMM kernels on pointwise layers: every dtype the predicates admit, odd lengths, batch 1
+        "pointwise 16->96 112x56 (MobileNetV2 expand)": _call(16, 96, 1, 1, (112, 56)),
+        "pointwise 144->24 1-D odd length": _call(144, 24, 1, 1, (1001,), batch=3),
+        "pointwise 13->70 3-D 5x7x9 bf16": _call(13, 70, 1, 1, (5, 7, 9), dtype=torch.bfloat16, batch=5),
+        "pointwise 24->40 f16": _call(24, 40, 1, 1, (17, 19), dtype=torch.float16),
+        "pointwise 9->1000 f64 batch 1": _call(9, 1000, 1, 1, (6, 6), dtype=torch.float64, batch=1),
+        "pointwise 64->1024 7x7 (EfficientNet project)": _call(1024, 64, 1, 1, (7, 7), batch=9),
         "1-D k3 s2 (wav2vec2 feature encoder)": _call(16, 16, 1, 3, (199,), stride=2),
         "3x1x1 (R(2+1)D)": _call(8, 8, 1, 1, (6, 7, 7)),
         "3-D 3x3x3": _call(4, 6, 1, 3, (5, 6, 6), padding=1),
@@ -73,8 +80,9 @@ def _calls():
     go3 = torch.randn(2, 8, 4, 7, 7, generator=torch.Generator().manual_seed(2))
     calls["3x1x1 (R(2+1)D)"] = (go3, x, w3, [8], [1, 1, 1], [0, 0, 0], [1, 1, 1], False, [0, 0, 0], 1, [True, True, True])
     for mask in ((True, False, False), (False, True, True), (False, True, False)):
-        name = f"depthwise 56x56 mask {''.join('1' if m else '0' for m in mask)}"
-        calls[name] = _call(18, 18, 18, 3, (20, 56), padding=1, mask=mask)
+        bits = "".join("1" if m else "0" for m in mask)
+        calls[f"depthwise 56x56 mask {bits}"] = _call(18, 18, 18, 3, (20, 56), padding=1, mask=mask)
+        calls[f"pointwise 16->96 mask {bits}"] = _call(16, 96, 1, 1, (33, 40), mask=mask)
     return calls
 
 
