@@ -1,12 +1,12 @@
 r"""Measured kernel choice of the compiled backend: the setting, and the results file.
 
 The compiled backend can serve a call with several kernels (``candidates``: native itself, the
-depthwise, direct, grouped-lanes and GEMM kernels of ``csrc/cpu``, each with a predicate of what it
+depthwise kernel's two walks, the direct, grouped-lanes and GEMM kernels of ``csrc/cpu``, each with a predicate of what it
 computes). With autotune on, the first call of a *signature* (sizes, strides, dtype, ``output_mask``,
 stride / padding / dilation / groups, bias, the thread count) times every candidate that applies on
-the call's own tensors (native twice, its first run untimed; each candidate once; then two
-interleaved rounds of native and of the candidates within 2x of the fastest; medians), checks each
-against native's result, and remembers the winner; a candidate must beat native by 3% to win. Later calls of that signature take the winner after one hash lookup in
+the call's own tensors (native's first run untimed, the reference; each candidate once, checked
+against it; an interleaved round of all; two more of native and the candidates within 2x of the
+fastest; each candidate's fastest run decides), and remembers the winner; a candidate must beat native by 3% to win. Later calls of that signature take the winner after one hash lookup in
 C++. With autotune off, or under ``torch.use_deterministic_algorithms(True)``, the layer-class table
 decides (no timing), so results do not depend on machine load.
 

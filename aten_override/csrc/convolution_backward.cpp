@@ -1061,7 +1061,7 @@ struct SignatureHash {
 
 struct Tuned {
   Kernel kernel;
-  std::vector<std::pair<std::string, double>> times_us;  // candidate -> median time, microseconds (tuned here)
+  std::vector<std::pair<std::string, double>> times_us;  // candidate -> fastest run, microseconds (tuned here)
   std::vector<std::pair<std::string, std::string>> rejected;  // candidate -> why it could not win
   double tune_us = 0;                                     // what tuning cost, microseconds (0: loaded)
 };
@@ -1093,11 +1093,6 @@ double elapsed_us(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 // Why `ours` is not native's result (shape, strides of dims > 1, or values beyond rtol of the result's
 // largest magnitude, room for a different summation order), or nullopt. Any NaN fails.
@@ -1129,10 +1124,13 @@ std::optional<std::string> differs(const Result& ours, const Result& native, con
 
 // A candidate that is not this much faster than native does not win (timing noise).
 constexpr double kWinMargin = 0.97;
-// Timed rounds after the first run of each candidate; one whose first run takes over kSlowCutoff x the
-// fastest first run is not timed again (tuning costs two runs of native, one of each candidate, and
-// kRounds runs of native and of the close ones).
-constexpr int kRounds = 2;
+// Every candidate runs once (checked against native) and once more in an interleaved round; one whose
+// faster run takes over kSlowCutoff x the fastest candidate's is then dropped, the others run
+// kRounds - 1 more interleaved rounds. The decision takes each candidate's fastest run: on a shared
+// machine interference only adds time, and a single disturbed run (another process's burst, a
+// page-fault storm) must not drop the kernel that wins. Tuning costs two runs of native, two of each
+// candidate and kRounds - 1 of native and of the close ones.
+constexpr int kRounds = 3;
 constexpr double kSlowCutoff = 2.0;
 
 Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
@@ -1168,33 +1166,36 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
       times[i].push_back(t);
     }
   }
-  // Only candidates within kSlowCutoff of the fastest first run are timed again.
-  double fastest = times[0][0];
-  for (size_t i = 1; i < candidates.size(); ++i) {
-    if (alive[i]) fastest = std::min(fastest, times[i][0]);
-  }
-  for (size_t i = 1; i < candidates.size(); ++i) {
-    if (alive[i] && times[i][0] > kSlowCutoff * fastest) {
-      alive[i] = false;
-      out.rejected.emplace_back(
-          kernel_name(candidates[i]), c10::str("slow: ", times[i][0], " us vs ", fastest, " us on the first run"));
-    }
-  }
-  for (int round = 0; round < kRounds; ++round) {
+  const auto timed_round = [&](int round) {
     for (size_t j = 0; j < candidates.size(); ++j) {
-      const size_t i = round % 2 ? candidates.size() - 1 - j : j;  // every other round in reverse order
+      const size_t i = round % 2 ? j : candidates.size() - 1 - j;  // every other round in reverse order
       if (!alive[i]) continue;
       t0 = std::chrono::steady_clock::now();
       run_kernel(candidates[i], a, e);
       times[i].push_back(elapsed_us(t0));
     }
+  };
+  const auto fastest_run = [&](size_t i) { return *std::min_element(times[i].begin(), times[i].end()); };
+  timed_round(0);
+  // Only candidates within kSlowCutoff of the fastest are timed again.
+  double fastest = fastest_run(0);
+  for (size_t i = 1; i < candidates.size(); ++i) {
+    if (alive[i]) fastest = std::min(fastest, fastest_run(i));
   }
+  for (size_t i = 1; i < candidates.size(); ++i) {
+    if (alive[i] && fastest_run(i) > kSlowCutoff * fastest) {
+      alive[i] = false;
+      out.rejected.emplace_back(
+          kernel_name(candidates[i]), c10::str("slow: ", fastest_run(i), " us vs ", fastest, " us (fastest runs)"));
+    }
+  }
+  for (int round = 1; round < kRounds; ++round) timed_round(round);
   // Native wins unless a candidate beats it by kWinMargin.
   out.kernel = Kernel::Native;
-  double best = median(times[0]) * kWinMargin;
+  double best = fastest_run(0) * kWinMargin;
   for (size_t i = 0; i < candidates.size(); ++i) {
     if (!alive[i]) continue;
-    const double us = median(times[i]);
+    const double us = fastest_run(i);
     out.times_us.emplace_back(kernel_name(candidates[i]), us);
     if (i > 0 && us < best) {
       best = us;
@@ -1564,7 +1565,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "twice as long) or 'wrong' (zeros, fast); 'off' removes it.");
   m.def("kernel_names", []() { return std::vector<std::string>(std::begin(kKernelNames), std::end(kKernelNames)); });
   m.def("autotune_entries", &py_autotune_entries,
-        "[(signature, kernel, {candidate: median us}, {candidate: why it could not win}, tuning us)] of the "
+        "[(signature, kernel, {candidate: fastest run us}, {candidate: why it could not win}, tuning us)] of the "
         "results table; times and tuning cost are empty / 0 for loaded entries.");
   m.def("autotune_load", &py_autotune_load,
         "Add [(signature, kernel)] entries to the results table; returns how many were taken.");
