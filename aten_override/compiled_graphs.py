@@ -15,8 +15,10 @@ So this module defines:
   that calls ``torch.ops.aten.convolution_backward.default`` through the dispatcher (whichever
   override is active serves it; native when none), and a fake kernel that runs aten's own meta
   function, so Inductor predicts, and asserts, exactly the strides it would for aten's op. Tagged
-  ``flexible_layout`` like the aten op under Inductor's CPU layout optimisation (Inductor hands it
-  the tensors it has; every backend serves any strides).
+  ``flexible_layout``: Inductor hands it its tensors as they are laid out (channels_last or odd
+  strides under its CPU layout optimisation, a stride-0 ``grad_output`` from ``.sum()``) without
+  the copies a stride constraint would add, where its lowering of aten's op would first have made
+  2-D operands channels_last; every backend serves any strides, and its output strides are meta's.
 - :data:`PASS`, an Inductor post-grad custom pass (``torch._inductor.config.post_grad_custom_post_pass``,
   a public hook with a cache key, ``torch/_inductor/custom_graph_pass.py``) that retargets every
   ``aten.convolution_backward.default`` node to that op. Nothing inside Inductor is patched.

@@ -11,6 +11,10 @@ every backend then runs the same compiled graph: the custom op dispatches at run
 backend serves a call is decided per call, not per graph. That keeps Inductor's C++ compiles, tens
 of seconds each on 2 cores, to one per mode; the CI profile compiles two (Python wrapper and
 ``cpp_wrapper``), the other modes are slow.
+
+Inductor's on-disk caches cannot hide a call: a cached graph still makes its calls at run time, and
+the pass's ``uuid()`` is part of the cache key, so a graph compiled without it is never reused for a
+compile with it.
 """
 
 from __future__ import annotations
@@ -109,8 +113,9 @@ def _assert_equal_grads(got, expected):
 class _Mode:
     """One ``torch.compile`` configuration, compiled on first use and reused by every backend."""
 
-    def __init__(self, compile_kwargs=None, *, config=None, batches=(2,), compiled_autograd=False):
+    def __init__(self, compile_kwargs=None, *, config=None, batches=(2,), compiled_autograd=False, loss=None):
         self.compile_kwargs = compile_kwargs or {}
+        self.loss = loss or _loss
         self.config = config or {}
         self.batches = batches
         self.compiled_autograd = compiled_autograd
@@ -134,10 +139,11 @@ class _Mode:
             if self.compiled_autograd:
                 # The whole training step is compiled: Dynamo meets .backward() and compiled
                 # autograd captures the backward graph, which Inductor then compiles.
+                assert self.loss is _loss
                 compiled = torch.compile(_own_code(_eager_step, name), **self.compile_kwargs)
                 self._compiled = compiled
             else:
-                compiled = torch.compile(_own_code(_loss, name), **self.compile_kwargs)
+                compiled = torch.compile(_own_code(self.loss, name), **self.compile_kwargs)
 
                 def step(m, x):
                     compiled(m, x).backward()
@@ -148,6 +154,10 @@ class _Mode:
 
 def _loss(m, x):
     return m(x).square().sum()
+
+
+def _sum_loss(m, x):
+    return m(x).sum()
 
 
 def _own_code(fn, name: str):
@@ -165,6 +175,9 @@ SLOW_MODES = {
     "max_autotune": _Mode({"options": {"max_autotune": True}}),
     "compiled_autograd": _Mode(compiled_autograd=True),
     "no_layout_optimization": _Mode({"options": {"layout_optimization": False}}),
+    # grad_output of the last layer is an expanded scalar: Inductor hands the op a stride-0 tensor
+    # (its own lowering of aten's op would have materialised it first).
+    "stride0_grad_output": _Mode(loss=_sum_loss),
 }
 
 _MODEL = _model()  # shared by every mode and backend
@@ -175,10 +188,14 @@ def _check_mode(name: str, mode: _Mode, backend: str) -> None:
         step = mode.step(name)
         for n in mode.batches:
             x = _input(n)
-            expected = _grads(lambda m, x: _eager_step(m, x), _MODEL, x)
+            expected = _grads(lambda m, x: mode.loss(m, x).backward(), _MODEL, x)
             with served(backend, calls=3):
                 got = _grads(step, _MODEL, x)
             _assert_equal_grads(got, expected)
+    if mode.compiled_autograd:  # the backward really was captured by compiled autograd
+        from torch._dynamo.utils import counters
+
+        assert counters["compiled_autograd"]["captures"] >= 1, dict(counters["compiled_autograd"])
 
 
 @pytest.mark.parametrize("mode", list(MODES))
