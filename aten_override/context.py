@@ -55,7 +55,8 @@ class enable(contextlib.ContextDecorator):
             dispatcher, hence the override, in every Inductor wrapper, ``cpp_wrapper`` and
             AOTInductor included) instead of aten's op. ``None`` (default): the
             ``ATEN_OVERRIDE_COMPILED_GRAPHS`` environment variable (``0`` turns it off), else
-            ``True``. See :mod:`aten_override.compiled_graphs`.
+            ``True``. Process-global like the backend: on while any active ``enable`` has it.
+            See :mod:`aten_override.compiled_graphs`.
 
     Raises:
         ValueError: unknown backend name.
