@@ -192,6 +192,10 @@ def _check_mode(name: str, mode: _Mode, backend: str) -> None:
             with served(backend, calls=3):
                 got = _grads(step, _MODEL, x)
             _assert_equal_grads(got, expected)
+            # After enable() exits, the graph (compiled with our op) reaches native ATen.
+            aten_override.reset_stats()
+            _assert_equal_grads(_grads(step, _MODEL, x), expected)
+            assert aten_override.stats() == {"fallback_reasons": {}}, aten_override.stats()
     if mode.compiled_autograd:  # the backward really was captured by compiled autograd
         from torch._dynamo.utils import counters
 
