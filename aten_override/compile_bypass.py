@@ -9,9 +9,10 @@ serves every call that *goes through the dispatcher* at run time:
   ``convolution_backward`` lowering falls back to ``torch.ops.aten.convolution_backward`` at run
   time;
 - while :func:`~aten_override.enable` is active (``compiled_graphs=True``, the default), every graph
-  Inductor compiles calls ``aten_override::convolution_backward`` instead
-  (:mod:`aten_override.compiled_graphs`), a custom op that redispatches to aten's op: so
-  ``cpp_wrapper``, AOTInductor, max-autotune and compiled autograd reach the override too.
+  Inductor compiles whose code would skip the dispatcher (``cpp_wrapper``, AOTInductor, Triton
+  conv-backward templates allowed) calls ``aten_override::convolution_backward`` instead
+  (:mod:`aten_override.compiled_graphs`), a custom op that redispatches to aten's op: so those
+  reach the override too.
 
 Bypassed where the generated code calls ATen's C++ entry points directly, i.e. only for graphs
 compiled *without* that pass (``enable(..., compiled_graphs=False)``,

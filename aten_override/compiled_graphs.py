@@ -6,8 +6,9 @@ reaches the override. Its C++ wrapper (``cpp_wrapper``) and AOTInductor instead 
 statically (``torch/_inductor/ir.py`` ``FallbackKernel.codegen``: ``aten`` ops found in
 ``torchgen/aoti/fallback_ops.py`` get a direct C-shim call), so no dispatcher key is consulted.
 
-Custom (non-``aten``) ops always go through the dispatcher: the C++ wrapper uses
-``aoti_torch_call_dispatcher`` and AOTInductor its proxy executor
+Custom (non-``aten``) ops always go through the dispatcher: the C++ wrapper emits a boxed
+``c10::Dispatcher::singleton().findSchemaOrThrow(...)`` call (``aoti_torch_call_dispatcher`` for
+schemas StableIValue can carry) and AOTInductor calls its proxy executor
 (``torch/_inductor/codegen/cpp_wrapper_cpu.py`` ``generate_fallback_kernel_with_runtime_lookup``).
 So this module defines:
 
@@ -21,7 +22,10 @@ So this module defines:
   2-D operands channels_last; every backend serves any strides, and its output strides are meta's.
 - :data:`PASS`, an Inductor post-grad custom pass (``torch._inductor.config.post_grad_custom_post_pass``,
   a public hook with a cache key, ``torch/_inductor/custom_graph_pass.py``) that retargets every
-  ``aten.convolution_backward.default`` node to that op. Nothing inside Inductor is patched.
+  ``aten.convolution_backward.default`` node to that op in the graphs whose generated code would
+  otherwise skip the dispatcher (:func:`bypassing_wrapper`: ``cpp_wrapper``, AOTInductor, Triton
+  conv-backward templates). The default Python wrapper keeps aten's op, which it calls through the
+  dispatcher: no Python hop per call there. Nothing inside Inductor is patched.
 
 :func:`activate` / :func:`deactivate` (counted; called by :class:`aten_override.enable`) add and
 remove the pass. A graph compiled while it is active keeps calling the custom op after
@@ -45,7 +49,8 @@ import threading
 import torch
 from torch.library import Library
 
-__all__ = ["OP", "PASS", "activate", "deactivate", "is_active", "decomposition_table", "setting"]
+__all__ = ["OP", "PASS", "activate", "deactivate", "bypassing_wrapper", "is_active", "decomposition_table",
+           "op_calls", "reset_op_calls", "setting"]
 
 OP = "aten_override::convolution_backward"
 _CONFIG_MODULE = "torch._inductor.config"
@@ -60,9 +65,28 @@ _lib.define(
 )
 
 
+_calls_lock = threading.Lock()
+_calls = 0
+
+
 def _through_the_dispatcher(*aten_args):
     """Serve the call with whatever ``aten::convolution_backward`` kernel the dispatcher holds now."""
+    global _calls
+    with _calls_lock:
+        _calls += 1
     return torch.ops.aten.convolution_backward.default(*aten_args)
+
+
+def op_calls() -> int:
+    """Calls of ``aten_override::convolution_backward`` since :func:`reset_op_calls` (each then
+    served by whatever kernel ``aten::convolution_backward`` has: see :func:`aten_override.stats`)."""
+    return _calls
+
+
+def reset_op_calls() -> None:
+    global _calls
+    with _calls_lock:
+        _calls = 0
 
 
 _lib.impl("convolution_backward", _through_the_dispatcher, "CompositeExplicitAutograd")
@@ -104,6 +128,30 @@ def _retarget(graph: torch.fx.Graph) -> int:
     return n
 
 
+def bypassing_wrapper() -> str | None:
+    """Why the graph Inductor is compiling now would skip the dispatcher for aten's op, or ``None``.
+
+    Read inside the post-grad pass, where ``torch._inductor.config`` holds the compile's own
+    settings (``torch.compile(options=...)`` are patched in; AOTInductor sets ``cpp_wrapper``):
+
+    - ``cpp_wrapper`` (and so AOTInductor): aten ops with a C-shim entry are called statically;
+    - max-autotune with ``TRITON`` among the conv-backward backends: Inductor's lowering may pick a
+      Triton template (GPU) and call no ATen at all.
+
+    Otherwise (the default Python wrapper, compiled autograd's graphs, CPU max-autotune) the graph
+    keeps aten's op: its fallback calls ``torch.ops.aten.convolution_backward`` through the
+    dispatcher anyway, with no Python hop and with Inductor's own input layouts.
+    """
+    from torch._inductor import config
+
+    if config.cpp_wrapper:
+        return "cpp_wrapper"
+    backends = (config.max_autotune_conv_bwd_input_backends, config.max_autotune_conv_bwd_weight_backends)
+    if config.max_autotune and any("TRITON" in b.upper() for b in backends):
+        return "triton conv-backward templates"
+    return None
+
+
 def _make_pass():
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -111,7 +159,8 @@ def _make_pass():
         """Inductor post-grad pass: ``aten.convolution_backward`` → ``aten_override.convolution_backward``."""
 
         def __call__(self, graph: torch.fx.Graph) -> None:
-            _retarget(graph)
+            if bypassing_wrapper() is not None:
+                _retarget(graph)
 
         def uuid(self) -> bytes:
             return get_hash_for_files((__file__,))
