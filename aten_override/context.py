@@ -12,6 +12,7 @@ import warnings
 
 from . import _registration
 from . import autotune as _autotune
+from . import compiled_graphs as _compiled_graphs
 from .backends import BackendLike, implementation
 from .compile_bypass import bypass_reasons
 
@@ -49,6 +50,14 @@ class enable(contextlib.ContextDecorator):
             Under ``torch.use_deterministic_algorithms(True)`` the table decides either way. See
             :mod:`aten_override.autotune`.
 
+        compiled_graphs: whether ``torch.compile`` / AOTInductor graphs compiled while this is
+            active call ``aten_override::convolution_backward`` (a custom op that reaches the
+            dispatcher, hence the override, in every Inductor wrapper, ``cpp_wrapper`` and
+            AOTInductor included) instead of aten's op. ``None`` (default): the
+            ``ATEN_OVERRIDE_COMPILED_GRAPHS`` environment variable (``0`` turns it off), else
+            ``True``. Process-global like the backend: on while any active ``enable`` has it.
+            See :mod:`aten_override.compiled_graphs`.
+
     Raises:
         ValueError: unknown backend name.
         RuntimeError: the backend is unavailable (e.g. compiled kernels not built), with the reason.
@@ -60,9 +69,16 @@ class enable(contextlib.ContextDecorator):
         ...     loss.backward()  # every convolution's backward ran in the python backend
     """
 
-    def __init__(self, backend: BackendLike = "auto", *, autotune: bool | str | os.PathLike | None = None):
+    def __init__(
+        self,
+        backend: BackendLike = "auto",
+        *,
+        autotune: bool | str | os.PathLike | None = None,
+        compiled_graphs: bool | None = None,
+    ):
         self.impl = implementation(backend)
         self.autotune = _autotune.setting(autotune)
+        self.compiled_graphs = _compiled_graphs.setting(compiled_graphs)
         self._autotune_previous: list[bool | None] = []
         # Tokens of one enable object are interchangeable (they push the same backend), so a plain
         # list works across threads: entered in one thread, left in another, or used as a decorator
@@ -70,13 +86,20 @@ class enable(contextlib.ContextDecorator):
         self._tokens: list[int] = []
 
     def __enter__(self):
-        for reason in bypass_reasons():
-            warnings.warn(f"aten_override.enable({self.impl.name!r}): {reason}", stacklevel=2)
-        self._autotune_previous.append(_autotune.apply(self.autotune) if self._tunes else None)
+        if self.compiled_graphs:
+            _compiled_graphs.activate()
         try:
-            self._tokens.append(_registration.push(self.impl))
+            for reason in bypass_reasons():
+                warnings.warn(f"aten_override.enable({self.impl.name!r}): {reason}", stacklevel=2)
+            self._autotune_previous.append(_autotune.apply(self.autotune) if self._tunes else None)
+            try:
+                self._tokens.append(_registration.push(self.impl))
+            except BaseException:
+                _autotune.restore(self.autotune, self._autotune_previous.pop())
+                raise
         except BaseException:
-            _autotune.restore(self.autotune, self._autotune_previous.pop())
+            if self.compiled_graphs:
+                _compiled_graphs.deactivate()
             raise
         return self
 
@@ -88,7 +111,11 @@ class enable(contextlib.ContextDecorator):
         try:
             _registration.pop(token)
         finally:
-            _autotune.restore(self.autotune, self._autotune_previous.pop())
+            try:
+                _autotune.restore(self.autotune, self._autotune_previous.pop())
+            finally:
+                if self.compiled_graphs:
+                    _compiled_graphs.deactivate()
 
     @property
     def _tunes(self) -> bool:

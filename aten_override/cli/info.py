@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import textwrap
 
@@ -40,6 +41,7 @@ def main(args) -> int:
     note = "" if cuda == "enabled" else " (CUDA calls of the compiled backend run the original kernel)"
     print(f"compiled CUDA kernels (depthwise class): {cuda}{note}")
     _print_autotune(compiled)
+    _print_compiled_graphs()
     from ..tracing import current_flags
 
     # What upstream's backend choice depends on; read again at every backward call.
@@ -66,10 +68,22 @@ def _print_layer_classes(classes) -> None:
             print(indent + line)
 
 
+def _print_compiled_graphs() -> None:
+    """Whether graphs compiled inside ``enable()`` call the dispatcher-visible op."""
+    from .. import compiled_graphs
+
+    on = compiled_graphs.setting(None)
+    source = f"{compiled_graphs.ENV}={os.environ[compiled_graphs.ENV]!r}" if compiled_graphs.ENV in os.environ else "default"
+    what = (
+        f"graphs Inductor compiles inside enable() call {compiled_graphs.OP} (cpp_wrapper and AOTInductor reach the override)"
+        if on
+        else "compiled graphs call aten's op (cpp_wrapper and AOTInductor bypass the override)"
+    )
+    print(f"compiled graphs: {'on' if on else 'off'} ({source}): {what}")
+
+
 def _print_autotune(compiled) -> None:
     """The compiled backend's kernel choice: measured or the table, and the results file, if any."""
-    import os
-
     from .. import autotune
 
     if compiled.extension() is None:

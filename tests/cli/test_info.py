@@ -38,3 +38,16 @@ def test_info_layer_classes(capsys):
     assert starts == [[name, kernel] for name, kernel, _ in compiled.LAYER_CLASSES]
     assert "dead-taps" in out and "uninitialised" in out
     assert main(["info"]) == 0 and "compiled layer classes" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("env", "line"), [
+    (None, "compiled graphs: on (default): graphs Inductor compiles inside enable() call aten_override::convolution_backward"),
+    ("0", "compiled graphs: off (ATEN_OVERRIDE_COMPILED_GRAPHS='0'): compiled graphs call aten's op"),
+])
+def test_info_compiled_graphs(capsys, monkeypatch, env, line):
+    if env is None:
+        monkeypatch.delenv("ATEN_OVERRIDE_COMPILED_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("ATEN_OVERRIDE_COMPILED_GRAPHS", env)
+    info.main(None)
+    assert line in capsys.readouterr().out

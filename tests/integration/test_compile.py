@@ -5,9 +5,9 @@ dispatcher (Inductor lowers it to a fallback kernel), so the override serves the
 trusts the meta function's stride prediction for that fallback's outputs, so our outputs must have
 exactly those strides (pytorch#171622: a channels_last mismatch tripped Inductor's stride asserts).
 
-Bypassed by design (documented in :mod:`aten_override.compile_bypass`, checked by
-:func:`~aten_override.compile_bypass.bypass_reasons`): ``cpp_wrapper`` and AOTInductor call ATen's
-C++ entry point statically; ``test_cpp_wrapper_bypasses_the_override`` pins that down.
+``cpp_wrapper``, AOTInductor, dynamic shapes, max-autotune and compiled autograd are served through
+``aten_override::convolution_backward`` (:mod:`aten_override.compiled_graphs`):
+``test_compile_modes.py``. What still bypasses the override is in :mod:`aten_override.compile_bypass`.
 
 Inductor compiles C++ with the host compiler (tens of seconds on 2 cores): one small Inductor test
 runs in the CI profile, the rest are slow.
@@ -23,7 +23,7 @@ import aten_override
 from aten_override import _registration
 from aten_override.compile_bypass import bypass_reasons
 
-from ..backend_params import BACKENDS, calls, parametrize_backend, served
+from ..backend_params import BACKENDS, parametrize_backend, served
 
 
 def _model(channels_last: bool) -> nn.Module:
@@ -149,28 +149,6 @@ def test_inductor_dynamic_shapes(backend, stride_check):
     assert not stride_check.mismatches, stride_check.mismatches
 
 
-@pytest.mark.slow
-@parametrize_backend
-def test_cpp_wrapper_bypasses_the_override(backend):
-    """By design: with ``cpp_wrapper`` Inductor's generated C++ calls ATen statically, so our
-    kernel is not called even while enabled; :func:`bypass_reasons` says so beforehand."""
-    import torch._inductor.config as inductor_config
-
-    m, x = _model(False), _input(False)
-    expected = _grads(m, x)
-    torch._dynamo.reset()
-    with inductor_config.patch(cpp_wrapper=True):
-        assert any("cpp_wrapper" in r for r in bypass_reasons())
-        compiled = torch.compile(m, backend="inductor")
-        with pytest.warns(UserWarning, match=r"aten_override.enable\(.*cpp_wrapper is on"), aten_override.enable(backend):
-            aten_override.reset_stats()
-            got = _grads(compiled, x)
-            assert calls(backend) == 0, aten_override.stats()
-    for g, e in zip(got, expected):
-        torch.testing.assert_close(g, e)
-    torch._dynamo.reset()
-
-
 def test_bypass_reasons_default_config_is_empty():
     import torch._inductor.config as inductor_config
 
@@ -178,7 +156,8 @@ def test_bypass_reasons_default_config_is_empty():
     with inductor_config.patch(cpp_wrapper=True):
         assert bypass_reasons() == [
             "torch._inductor.config.cpp_wrapper is on: compiled code calls ATen's convolution_backward "
-            "statically and bypasses the override"
+            "statically and bypasses the override, unless compiled under "
+            "aten_override.enable(compiled_graphs=True) (the default)"
         ]
 
 
