@@ -184,6 +184,8 @@ constexpr int64_t kKn2rowOnednnMinOutputs = int64_t(1) << 18;
 struct Counters {
   std::atomic<int64_t> layer_class[static_cast<int>(LayerClass::Count)] = {};
   std::atomic<int64_t> kernel[static_cast<int>(Kernel::Count)] = {};  // calls each kernel served
+  // calls a split choice served: [grad_input's kernel][grad_weight's kernel]
+  std::atomic<int64_t> split[static_cast<int>(Kernel::Count)][static_cast<int>(Kernel::Count)] = {};
   std::atomic<int64_t> served{0};    // calls the registered C++ kernel served in the compiled backend
   std::atomic<int64_t> fallback{0};  // calls it handed to the original kernel
   std::mutex reasons_mutex;
@@ -875,6 +877,39 @@ std::string kernel_name(Kernel k) {
   return kKernelNames[static_cast<int>(k)];
 }
 
+// What serves a call: one kernel for all its outputs, or a *split*: grad_input (and grad_bias) from
+// one kernel and grad_weight from another, each run with its part of output_mask (the autotuner
+// measures the two gradients separately: native's oneDNN grad_input and a GEMM grad_weight, say).
+struct Choice {
+  Kernel gi, gw;
+  static Choice whole(Kernel k) { return {k, k}; }
+  bool split() const { return gi != gw; }
+};
+
+// "kernel", or "gi_kernel+gw_kernel" for a split.
+std::string choice_name(Choice c) {
+  return c.split() ? kernel_name(c.gi) + "+" + kernel_name(c.gw) : kernel_name(c.gi);
+}
+
+std::optional<Kernel> parse_kernel(const std::string& name) {
+  for (int i = 0; i < static_cast<int>(Kernel::Count); ++i) {
+    if (name == kKernelNames[i]) return static_cast<Kernel>(i);
+  }
+  return std::nullopt;
+}
+
+// choice_name's inverse; nullopt for an unknown name.
+std::optional<Choice> parse_choice(const std::string& name) {
+  const size_t plus = name.find('+');
+  if (plus == std::string::npos) {
+    auto k = parse_kernel(name);
+    return k ? std::optional<Choice>(Choice::whole(*k)) : std::nullopt;
+  }
+  auto gi = parse_kernel(name.substr(0, plus)), gw = parse_kernel(name.substr(plus + 1));
+  if (!gi || !gw || *gi == *gw) return std::nullopt;
+  return Choice{*gi, *gw};
+}
+
 // The static choice of a layer class.
 Kernel static_kernel(LayerClass cls, const Args& a, const Expanded& e) {
   switch (cls) {
@@ -1023,6 +1058,29 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
   TORCH_INTERNAL_ASSERT(false, "convolution_backward[compiled]: unhandled kernel ", static_cast<int>(k));
 }
 
+// The part of a call's output_mask a split runs on each kernel: grad_input and grad_bias, or grad_weight.
+Mask grad_input_part(const Mask& m) {
+  return {m[0], false, m[2]};
+}
+Mask grad_weight_part(const Mask& m) {
+  return {false, m[1], false};
+}
+
+Args with_mask(const Args& a, const Mask& mask) {
+  return Args{a.grad_output, a.input, a.weight, a.bias_sizes, a.stride, a.padding, a.dilation, a.transposed,
+              a.output_padding, a.groups, mask};
+}
+
+// Runs a choice; nullopt when a kernel of it declines the call.
+std::optional<Result> run_choice(Choice c, const Args& a, const Expanded& e) {
+  if (!c.split()) return run_kernel(c.gi, a, e);
+  auto gi = run_kernel(c.gi, with_mask(a, grad_input_part(a.output_mask)), e);
+  if (!gi) return std::nullopt;
+  auto gw = run_kernel(c.gw, with_mask(a, grad_weight_part(a.output_mask)), e);
+  if (!gw) return std::nullopt;
+  return Result{std::get<0>(*gi), std::get<1>(*gw), std::get<2>(*gi)};
+}
+
 // --- autotune -----------------------------------------------------------------------------------
 
 // A call's signature: everything a kernel's speed or eligibility depends on. Serialised as
@@ -1060,7 +1118,7 @@ struct SignatureHash {
 };
 
 struct Tuned {
-  Kernel kernel;
+  Choice choice;
   std::vector<std::pair<std::string, double>> times_us;  // candidate -> fastest run, microseconds (tuned here)
   std::vector<std::pair<std::string, std::string>> rejected;  // candidate -> why it could not win
   double tune_us = 0;                                     // what tuning cost, microseconds (0: loaded)
@@ -1133,6 +1191,49 @@ constexpr double kWinMargin = 0.97;
 constexpr int kRounds = 3;
 constexpr double kSlowCutoff = 2.0;
 
+// A call asking for both gradients: each still-alive candidate is timed on grad_input alone (with
+// grad_bias) and on grad_weight alone, twice each, interleaved; when the fastest grad_input kernel and
+// the fastest grad_weight kernel differ and together beat `best` (the whole-call winner's fastest run,
+// or native's less kWinMargin), the split wins. Each part is checked against native's result.
+void tune_split(
+    const Args& a, const Expanded& e, const std::vector<Kernel>& candidates, const std::vector<bool>& alive,
+    const Result& reference, double best, Tuned& out) {
+  const Mask parts[2] = {grad_input_part(a.output_mask), grad_weight_part(a.output_mask)};
+  const char* labels[2] = {"grad_input:", "grad_weight:"};
+  size_t alive_count = 0;
+  for (bool x : alive) alive_count += x;
+  if (alive_count < 2) return;
+  std::vector<double> fastest[2] = {std::vector<double>(candidates.size(), INFINITY),
+                                    std::vector<double>(candidates.size(), INFINITY)};
+  for (int round = 0; round < 2; ++round) {
+    for (size_t j = 0; j < candidates.size(); ++j) {
+      const size_t i = round % 2 ? candidates.size() - 1 - j : j;
+      if (!alive[i]) continue;
+      for (int part = 0; part < 2; ++part) {
+        const Args sub = with_mask(a, parts[part]);
+        const auto t0 = std::chrono::steady_clock::now();
+        auto result = run_kernel(candidates[i], sub, e);
+        const double t = elapsed_us(t0);
+        if (round == 0 && (!result || differs(*result, reference, parts[part]))) {
+          fastest[part][i] = NAN;  // never chosen for this part
+          continue;
+        }
+        if (!std::isnan(fastest[part][i])) fastest[part][i] = std::min(fastest[part][i], t);
+      }
+    }
+  }
+  size_t pick[2] = {0, 0};
+  for (int part = 0; part < 2; ++part) {
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      if (!alive[i] || std::isnan(fastest[part][i])) continue;
+      out.times_us.emplace_back(labels[part] + kernel_name(candidates[i]), fastest[part][i]);
+      if (std::isnan(fastest[part][pick[part]]) || fastest[part][i] < fastest[part][pick[part]]) pick[part] = i;
+    }
+  }
+  if (pick[0] == pick[1] || std::isnan(fastest[0][pick[0]]) || std::isnan(fastest[1][pick[1]])) return;
+  if (fastest[0][pick[0]] + fastest[1][pick[1]] < best) out.choice = Choice{candidates[pick[0]], candidates[pick[1]]};
+}
+
 Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
   const auto start = std::chrono::steady_clock::now();
   std::vector<Kernel> candidates{Kernel::Native};
@@ -1191,7 +1292,7 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
   }
   for (int round = 1; round < kRounds; ++round) timed_round(round);
   // Native wins unless a candidate beats it by kWinMargin.
-  out.kernel = Kernel::Native;
+  out.choice = Choice::whole(Kernel::Native);
   double best = fastest_run(0) * kWinMargin;
   for (size_t i = 0; i < candidates.size(); ++i) {
     if (!alive[i]) continue;
@@ -1199,9 +1300,10 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
     out.times_us.emplace_back(kernel_name(candidates[i]), us);
     if (i > 0 && us < best) {
       best = us;
-      out.kernel = candidates[i];
+      out.choice = Choice::whole(candidates[i]);
     }
   }
+  if (a.output_mask[0] && a.output_mask[1]) tune_split(a, e, candidates, alive, reference, best, out);
   out.tune_us = elapsed_us(start);
   return out;
 }
@@ -1213,41 +1315,45 @@ bool static_choice_only(LayerClass cls, const Args& a) {
       at::globalContext().deterministicAlgorithms();
 }
 
-std::optional<Kernel> tuned_kernel(const Signature& key) {
+std::optional<Choice> tuned_choice(const Signature& key) {
   auto& tuner = autotuner();
   std::shared_lock<std::shared_mutex> lock(tuner.table_mutex);
   auto it = tuner.table.find(key);
   if (it == tuner.table.end()) return std::nullopt;
-  return it->second.kernel;
+  return it->second.choice;
 }
 
 // `tuned` if it can compute the call, else the table's choice: an entry loaded from a results file
-// names a kernel, and one that cannot compute this call (a tampered file) is never run.
-Kernel usable_kernel(Kernel tuned, Kernel static_choice, const Args& a, const Expanded& e) {
-  return tuned == static_choice || tuned == Kernel::Native || !candidate_unsupported(tuned, a, e) ? tuned
-                                                                                                  : static_choice;
+// names kernels, and one that cannot compute this call (a tampered file) is never run; a split needs
+// a call asking for both gradients.
+Choice usable_choice(Choice tuned, Kernel static_choice, const Args& a, const Expanded& e) {
+  const auto can = [&](Kernel k) {
+    return k == static_choice || k == Kernel::Native || !candidate_unsupported(k, a, e);
+  };
+  const bool ok = can(tuned.gi) && can(tuned.gw) && (!tuned.split() || (a.output_mask[0] && a.output_mask[1]));
+  return ok ? tuned : Choice::whole(static_choice);
 }
 
-// The kernel that serves a call of class `cls`: the table's, or the tuned one (tuning it first).
-Kernel choose_kernel(const Args& a, const Expanded& e, LayerClass cls) {
+// What serves a call of class `cls`: the table's kernel, or the tuned choice (tuning it first).
+Choice choose_kernel(const Args& a, const Expanded& e, LayerClass cls) {
   const Kernel static_choice = static_kernel(cls, a, e);
-  if (static_choice_only(cls, a)) return static_choice;
+  if (static_choice_only(cls, a)) return Choice::whole(static_choice);
   auto& tuner = autotuner();
   const Signature key = signature(a);
-  const auto usable = [&](Kernel k) { return usable_kernel(k, static_choice, a, e); };
-  if (auto kernel = tuned_kernel(key)) return usable(*kernel);
+  const auto usable = [&](Choice c) { return usable_choice(c, static_choice, a, e); };
+  if (auto choice = tuned_choice(key)) return usable(*choice);
   std::lock_guard<std::mutex> tuning(tuner.tuning_mutex);
-  if (auto kernel = tuned_kernel(key)) return usable(*kernel);  // another thread tuned it meanwhile
+  if (auto choice = tuned_choice(key)) return usable(*choice);  // another thread tuned it meanwhile
   Tuned tuned = tune(a, e, static_choice);
   tuner.tunings.fetch_add(1, std::memory_order_relaxed);
   tuner.tune_us_total.fetch_add(static_cast<int64_t>(tuned.tune_us), std::memory_order_relaxed);
   last_call.tuned = true;
   last_call.times_us = tuned.times_us;
   last_call.rejected = tuned.rejected;
-  const Kernel kernel = tuned.kernel;
+  const Choice choice = tuned.choice;
   std::unique_lock<std::shared_mutex> lock(tuner.table_mutex);
   tuner.table.emplace(key, std::move(tuned));
-  return kernel;
+  return choice;
 }
 
 // The compiled backend's result for a call it serves (unsupported_reason() was nullopt).
@@ -1258,14 +1364,17 @@ Result compiled_backward(const Args& a) {
   last_call.tuned = false;
   last_call.times_us.clear();
   last_call.rejected.clear();
-  Kernel kernel = choose_kernel(a, e, cls);
-  auto result = run_kernel(kernel, a, e);
+  Choice choice = choose_kernel(a, e, cls);
+  auto result = run_choice(choice, a, e);
   if (!result) {
-    kernel = Kernel::Native;
-    result = run_kernel(kernel, a, e);
+    choice = Choice::whole(Kernel::Native);
+    result = run_kernel(Kernel::Native, a, e);
   }
-  counters().kernel[static_cast<int>(kernel)].fetch_add(1, std::memory_order_relaxed);
-  last_call.kernel = kernel_name(kernel);
+  auto& c = counters();
+  (choice.split() ? c.split[static_cast<int>(choice.gi)][static_cast<int>(choice.gw)]
+                  : c.kernel[static_cast<int>(choice.gi)])
+      .fetch_add(1, std::memory_order_relaxed);
+  last_call.kernel = choice_name(choice);
   return *result;
 }
 
@@ -1343,8 +1452,8 @@ std::string planned_kernel_name(const Args& a) {
   const LayerClass cls = classify(a, e);
   const Kernel static_choice = static_kernel(cls, a, e);
   if (static_choice_only(cls, a)) return kernel_name(static_choice);
-  const auto kernel = tuned_kernel(signature(a));
-  return kernel ? kernel_name(usable_kernel(*kernel, static_choice, a, e)) : "tuning";
+  const auto choice = tuned_choice(signature(a));
+  return choice ? choice_name(usable_choice(*choice, static_choice, a, e)) : "tuning";
 }
 
 // Runs one named candidate kernel on a call (tests and benchmarks compare the candidates): raises
@@ -1353,15 +1462,21 @@ std::string planned_kernel_name(const Args& a) {
 std::optional<Result> run_named_kernel(const std::string& name, const Args& a) {
   const Expanded e = check_args(a);
   const LayerClass cls = classify(a, e);
-  int index = 0;
-  while (index < static_cast<int>(Kernel::Count) && name != kKernelNames[index]) ++index;
-  if (index == static_cast<int>(Kernel::Count)) throw py::value_error("unknown kernel " + name);
-  const Kernel k = static_cast<Kernel>(index);
-  if (k != static_kernel(cls, a, e)) {
-    if (!tunable(cls, a)) throw py::value_error(c10::str("a call of class ", kLayerClasses[static_cast<int>(cls)].name, " is served by ", kernel_name(static_kernel(cls, a, e)), " only"));
-    if (auto why = candidate_unsupported(k, a, e)) throw py::value_error(name + " cannot compute this call: " + *why);
+  const auto choice = parse_choice(name);
+  if (!choice) throw py::value_error("unknown kernel " + name);
+  if (choice->split() && !(a.output_mask[0] && a.output_mask[1])) {
+    throw py::value_error(name + " is a split: it needs a call asking for grad_input and grad_weight");
   }
-  return run_kernel(k, a, e);
+  const Kernel table = static_kernel(cls, a, e);
+  for (Kernel k : {choice->gi, choice->gw}) {
+    if (k == table) continue;
+    if (!tunable(cls, a)) {
+      throw py::value_error(c10::str("a call of class ", kLayerClasses[static_cast<int>(cls)].name, " is served by ",
+                                     kernel_name(table), " only"));
+    }
+    if (auto why = candidate_unsupported(k, a, e)) throw py::value_error(kernel_name(k) + " cannot compute this call: " + *why);
+  }
+  return run_choice(*choice, a, e);
 }
 
 std::string layer_class_name(const Args& a) {
@@ -1396,6 +1511,10 @@ py::dict py_stats() {
   for (int i = 0; i < static_cast<int>(Kernel::Count); ++i) {
     const int64_t n = c.kernel[i].load();
     if (n) kernels[kKernelNames[i]] = n;
+    for (int j = 0; j < static_cast<int>(Kernel::Count); ++j) {
+      const int64_t m = c.split[i][j].load();
+      if (m) kernels[py::str(choice_name(Choice{static_cast<Kernel>(i), static_cast<Kernel>(j)}))] = m;
+    }
   }
   out["kernels"] = kernels;
   out["tunings"] = autotuner().tunings.load();
@@ -1407,6 +1526,9 @@ void py_reset_stats() {
   auto& c = counters();
   for (auto& n : c.layer_class) n.store(0);
   for (auto& n : c.kernel) n.store(0);
+  for (auto& row : c.split) {
+    for (auto& n : row) n.store(0);
+  }
   autotuner().tunings.store(0);
   autotuner().tune_us_total.store(0);
   c.served.store(0);
@@ -1439,7 +1561,7 @@ py::list py_autotune_entries() {
   auto& tuner = autotuner();
   std::shared_lock<std::shared_mutex> lock(tuner.table_mutex);
   for (const auto& [key, tuned] : tuner.table) {
-    out.append(py::make_tuple(signature_string(key), kKernelNames[static_cast<int>(tuned.kernel)],
+    out.append(py::make_tuple(signature_string(key), choice_name(tuned.choice),
                               to_dict(tuned.times_us), to_dict(tuned.rejected), tuned.tune_us));
   }
   return out;
@@ -1452,9 +1574,8 @@ int64_t py_autotune_load(const std::vector<std::pair<std::string, std::string>>&
   int64_t taken = 0;
   std::unique_lock<std::shared_mutex> lock(tuner.table_mutex);
   for (const auto& [text, name] : entries) {
-    const auto* found = std::find_if(std::begin(kKernelNames), std::end(kKernelNames),
-                                     [&](const char* n) { return name == n; });
-    if (found == std::end(kKernelNames)) continue;
+    const auto choice = parse_choice(name);
+    if (!choice) continue;
     Signature key;
     size_t pos = 0;
     bool ok = !text.empty();
@@ -1471,7 +1592,7 @@ int64_t py_autotune_load(const std::vector<std::pair<std::string, std::string>>&
     }
     if (!ok) continue;
     Tuned tuned;
-    tuned.kernel = static_cast<Kernel>(found - std::begin(kKernelNames));
+    tuned.choice = *choice;
     taken += tuner.table.emplace(std::move(key), std::move(tuned)).second;
   }
   return taken;

@@ -155,9 +155,10 @@ def layer_class(args: ConvolutionBackwardArgs) -> str:
 
 
 def planned_kernel(args: ConvolutionBackwardArgs) -> str:
-    """The kernel (``_C.kernel_names()``; ``depthwise-plane`` / ``depthwise-lanes`` for the depthwise
-    one) that will serve ``args``: the layer-class table's, the autotuner's for a tuned signature, or
-    ``"tuning"`` when its first call will tune it. Runs nothing.
+    """The kernel (one of ``_C.kernel_names()``) that will serve ``args``, or a split
+    ``"gi_kernel+gw_kernel"`` (grad_input and grad_bias from the first, grad_weight from the second):
+    the layer-class table's, the autotuner's for a tuned signature, or ``"tuning"`` when its first
+    call will tune it. Runs nothing.
 
     Raises:
         RuntimeError: as :func:`layer_class`.

@@ -83,7 +83,10 @@ def test_native_wins_when_every_candidate_is_slower():
         _OP(*args)
     entry = tuned_entry(args)
     assert entry["kernel"] == "native", entry
-    assert set(entry["times_us"]) | set(entry["rejected"]) == {"native", "test"}, entry
+    whole = {name for name in set(entry["times_us"]) | set(entry["rejected"]) if ":" not in name}
+    assert whole == {"native", "test"}, entry
+    # each gradient alone too (the call asks for both): native is faster on each, so no split
+    assert {"grad_input:native", "grad_weight:native"} <= set(entry["times_us"]), entry
 
 
 def test_a_wrong_candidate_never_wins():
@@ -93,7 +96,9 @@ def test_a_wrong_candidate_never_wins():
     with aten_override.enable("compiled", autotune=True):
         ours = _OP(*args)
     entry = tuned_entry(args)
-    assert entry["kernel"] != "test" and entry["rejected"]["test"].startswith("wrong:"), entry
+    assert "test" not in entry["kernel"].split("+") and entry["rejected"]["test"].startswith("wrong:"), entry
+    # its zeros are wrong for each gradient alone too: never part of a split
+    assert not any(name.endswith(":test") for name in entry["times_us"]), entry
     check_against_native(ours, call_native(args), output_mask=args[-1])
 
 
@@ -294,6 +299,81 @@ def test_a_tampered_results_file_never_runs_a_kernel_that_cannot_serve_the_call(
     check_against_native(ours, call_native(args), output_mask=args[-1])
 
 
+def _dense_call(mask=(True, True, True)) -> tuple:
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(2, 6, 9, 9, generator=g), torch.randn(6, 6, 3, 3, generator=g)
+    return (torch.randn(2, 6, 9, 9, generator=g), x, w, [6], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, list(mask))
+
+
+def _write_entries(path, args, choice):
+    """A results file (valid header) whose entry for the signature of ``args`` names ``choice``."""
+    with aten_override.enable("compiled", autotune=path):
+        _OP(*args)
+    data = json.loads(path.read_text())
+    for entry in data["entries"]:
+        entry["kernel"] = choice
+    path.write_text(json.dumps(data))
+    autotune.clear()
+    aten_override.reset_stats()
+
+
+@pytest.mark.parametrize("choice", ["gemm-im2col+native", "native+gemm-im2col"])
+def test_a_split_from_a_results_file_serves_each_gradient_from_its_kernel(tmp_path, choice):
+    """A split (grad_input and grad_bias from one kernel, grad_weight from the other) is a choice like
+    any other: named in the file, in stats() and the tracer, and its results are native's."""
+    args = _dense_call()
+    path = tmp_path / "tune.json"
+    _write_entries(path, args, choice)
+    with aten_override.enable("compiled", autotune=path), aten_override.trace(log=False) as t:
+        assert compiled.planned_kernel(ConvolutionBackwardArgs(*args)) == choice
+        ours = _OP(*args)
+    stats = aten_override.stats()
+    assert "compiled_tuning" not in stats and stats["compiled_kernels"] == {choice: 1}, stats
+    assert t.calls[0].kernel == f"compiled/{choice}"
+    check_against_native(ours, call_native(args), output_mask=args[-1])
+
+
+@pytest.mark.parametrize("choice", ["gemm-kn2row+native", "native+depthwise-lanes"])
+def test_a_split_naming_a_kernel_that_cannot_compute_the_call_never_runs(tmp_path, choice):
+    """The table decides (native for a dense 3x3 layer)."""
+    args = _dense_call()
+    path = tmp_path / "tune.json"
+    _write_entries(path, args, choice)
+    with aten_override.enable("compiled", autotune=path):
+        assert compiled.planned_kernel(ConvolutionBackwardArgs(*args)) == "native"
+        ours = _OP(*args)
+    stats = aten_override.stats()
+    assert "compiled_tuning" not in stats and stats["compiled_kernels"] == {"native": 1}, stats
+    check_against_native(ours, call_native(args), output_mask=args[-1])
+
+
+@pytest.mark.parametrize("choice", ["native+nonsense", "native+native", "+native", "gemm-im2col+"])
+def test_a_malformed_split_entry_is_skipped_with_a_message(tmp_path, caplog, choice):
+    """Not a choice at all: the entry is not loaded (a warning says so) and the call tunes afresh."""
+    args = _dense_call()
+    path = tmp_path / "tune.json"
+    _write_entries(path, args, choice)
+    with caplog.at_level(logging.WARNING, logger="aten_override"):
+        with aten_override.enable("compiled", autotune=path):
+            ours = _OP(*args)
+    assert "were not usable" in caplog.text, caplog.text
+    assert aten_override.stats()["compiled_tuning"]["signatures"] == 1
+    check_against_native(ours, call_native(args), output_mask=args[-1])
+
+
+def test_tuning_a_call_asking_for_both_gradients_times_each_part():
+    """The tuning call's record has every candidate's time on each gradient alone; the choice is a
+    whole kernel or a split of two different ones, and its results are native's."""
+    args = _dense_call()
+    with aten_override.enable("compiled", autotune=True), aten_override.trace(log=False) as t:
+        ours = _OP(*args)
+    times = t.calls[0].tuning["times_us"]
+    assert {"grad_input:native", "grad_weight:native", "grad_input:gemm-im2col", "grad_weight:gemm-im2col"} <= set(times), times
+    chosen = t.calls[0].kernel.removeprefix("compiled/")
+    assert chosen in {"native", "gemm-im2col", "gemm-im2col+native", "native+gemm-im2col"}, chosen
+    check_against_native(ours, call_native(args), output_mask=args[-1])
+
+
 @pytest.mark.parametrize("layer", ["dense 3x3", "depthwise", "one-channel 1-D", "3x1x1"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_values_after_tuning_get_natives_results(layer, bad):
@@ -335,7 +415,9 @@ def test_a_wrong_candidate_loses_on_tiny_gradients():
     with aten_override.enable("compiled", autotune=True):
         ours = _OP(*args)
     entry = tuned_entry(args)
-    assert entry["kernel"] != "test" and entry["rejected"]["test"].startswith("wrong:"), entry
+    assert "test" not in entry["kernel"].split("+") and entry["rejected"]["test"].startswith("wrong:"), entry
+    # its zeros are wrong for each gradient alone too: never part of a split
+    assert not any(name.endswith(":test") for name in entry["times_us"]), entry
     check_against_native(ours, call_native(args), output_mask=args[-1])
 
 

@@ -131,3 +131,42 @@ def test_a_kernel_that_cannot_compute_a_call_says_why():
     big = _call(16, 16, 16, 3, (1 << 20,), padding=1, batch=1)
     with pytest.raises(ValueError, match="exceed 16 MiB"):
         ext.run_kernel("depthwise-lanes", *big)
+
+
+def _split_cases():
+    """Splits (grad_input and grad_bias from one kernel, grad_weight from another) on every call
+    asking for both gradients where both kernels are candidates."""
+    ext = compiled.extension()
+    cases = []
+    for name, args in CALLS.items():
+        if not (args[-1][0] and args[-1][1]):
+            continue
+        claimed = []
+        for kernel in CANDIDATES:
+            try:
+                ext.run_kernel(kernel, *args)
+            except ValueError:
+                continue
+            claimed.append(kernel)
+        for gi, gw in itertools.permutations(claimed[:3], 2):
+            cases.append(pytest.param(f"{gi}+{gw}", name, id=f"{gi}+{gw}-{name}"))
+    return cases
+
+
+@pytest.mark.parametrize("choice,call", _split_cases() if compiled.unavailable_reason() is None else [])
+def test_split_matches_native(choice, call):
+    """What the autotuner may choose when the fastest grad_input and grad_weight kernels differ."""
+    args = CALLS[call]
+    ours = compiled.extension().run_kernel(choice, *args)
+    reference = None if args[0].dtype is torch.float64 else float64_reference(args)
+    check_against_native(ours, call_native(args), reference, output_mask=args[-1], where=f"{choice} on {call}")
+
+
+def test_a_split_needs_both_gradients():
+    ext = compiled.extension()
+    go, x, w, *rest = CALLS["dense 3x3"]
+    args = (go, x, w, *rest[:-1], [True, False, True])
+    with pytest.raises(ValueError, match="is a split: it needs a call asking for grad_input and grad_weight"):
+        ext.run_kernel("gemm-im2col+native", *args)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        ext.run_kernel("native+native", *CALLS["dense 3x3"])
