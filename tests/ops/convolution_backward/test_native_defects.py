@@ -263,30 +263,51 @@ def _dirty_heap() -> None:
     del junk
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", list(PADDED_3D))
-def test_bfloat16_padded_3d_is_right_whatever_the_heap(name, backend):
-    from aten_override.ops.convolution_backward.args import ConvolutionBackwardArgs, padded_3d
-
+def padded_3d_call(name: str) -> tuple:
     sizes, k, p, s = PADDED_3D[name]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 16, *sizes, generator=g).bfloat16()
     w = torch.randn(6, 16, k, k, k, generator=g).bfloat16()
     go = torch.randn(2, 6, *[(z + 2 * p - k) // s + 1 for z in sizes], generator=g).bfloat16()
-    args = (go, x, w, [6], [s] * 3, [p] * 3, [1] * 3, False, [0] * 3, 1, [True, True, True])
-    assert padded_3d(ConvolutionBackwardArgs(*args))
+    return (go, x, w, [6], [s] * 3, [p] * 3, [1] * 3, False, [0] * 3, 1, [True, True, True])
+
+
+# The original kernel on a padded 3-D call, three times between dirtied heaps, in a child interpreter:
+# its oneDNN path writes outside its outputs too (glibc has aborted the process on a later free), so
+# it must not run in the test process. Prints its worst error relative to the float64 result.
+_PADDED_3D_NATIVE_SCRIPT = textwrap.dedent(
+    """
+    import torch, aten_override
+    from tests.ops.convolution_backward.test_native_defects import _dirty_heap, padded_3d_call
+    args = padded_3d_call({name!r})
     native = aten_override.original_kernel("cpu")
     ref = native(*(t.double() if isinstance(t, torch.Tensor) else t for t in args))
-    native_worst = 0.0
+    worst = 0.0
+    for _ in range(3):
+        _dirty_heap()
+        for t, r in zip(native(*args), ref):
+            worst = max(worst, (t.double() - r).abs().max().item() / r.abs().max().item())
+    print(worst)
+    """
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(PADDED_3D))
+def test_bfloat16_padded_3d_is_right_whatever_the_heap(name, backend):
+    from aten_override.ops.convolution_backward.args import ConvolutionBackwardArgs, padded_3d
+
+    args = padded_3d_call(name)
+    assert padded_3d(ConvolutionBackwardArgs(*args))
+    native = aten_override.original_kernel("cpu")
+    ref = native(*(t.double() if isinstance(t, torch.Tensor) else t for t in args))  # float64: no oneDNN
     for _ in range(3):
         _dirty_heap()
         with aten_override.enable(backend):
             ours = torch.ops.aten.convolution_backward.default(*args)
-        _dirty_heap()
-        theirs = native(*args)
-        for o, t, r in zip(ours, theirs, ref):
+        for o, r in zip(ours, ref):
             scale = r.abs().max().item()
             assert (o.double() - r).abs().max().item() <= 2 ** -6 * scale, name
-            native_worst = max(native_worst, (t.double() - r).abs().max().item() / scale)
-    if native_worst < 2 ** -6:
+    child = _run(_PADDED_3D_NATIVE_SCRIPT.format(name=name))
+    if child.returncode == 0 and float(child.stdout.split()[-1]) < 2 ** -6:
         pytest.skip(f"the original kernel was right on {name} here (torch {torch.__version__}): revisit args.padded_3d")
