@@ -96,3 +96,9 @@ def test_native_defects_are_drawn_in_a_dtype_native_gets_right():
                 padding=[1], dilation=[1])
     assert native_defect_reason(dtype=torch.bfloat16, **dead) is not None
     assert native_defect_reason(dtype=torch.float32, **dead) is None
+    # a padded regular 3-D layer (args.padded_3d): bfloat16 only
+    padded = dict(device_type="cpu", transposed=False, input_size=[2, 2, 2], grad_output_size=[2, 2, 2],
+                  kernel=[3, 3, 3], stride=[1, 1, 1], padding=[1, 1, 1], dilation=[1, 1, 1])
+    assert native_defect_reason(dtype=torch.bfloat16, **padded) is not None
+    assert native_defect_reason(dtype=torch.float16, **padded) is None
+    assert native_defect_reason(dtype=torch.bfloat16, **dict(padded, padding=[0, 0, 0])) is None
