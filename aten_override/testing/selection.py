@@ -4,8 +4,9 @@ The suite runs every backend :func:`aten_override.availability` reports availabl
 original kernel, is the control), or those named in the environment variable
 :data:`BACKENDS_ENV` (comma-separated), which ``python -m aten_override test --backend`` sets.
 A name may be a built-in backend or ``module:function``: a function with the aten signature that
-:class:`aten_override.FunctionBackend` wraps (its arguments are validated before it runs and its
-results are checked).
+:class:`aten_override.FunctionBackend` wraps with ``strict=True`` (its arguments are validated before
+it runs and its results are checked; an output returned where ``output_mask`` is False is an error
+here, not dropped as under ``enable(fn)``).
 
 This module imports only :mod:`aten_override`, so the pytest plugin can use it cheaply.
 """
@@ -43,7 +44,8 @@ def backend_from_spec(spec: str) -> Implementation:
     fn = getattr(module, function_name, None)
     if not callable(fn):
         raise ValueError(f"aten_override: {spec!r}: module {module_name!r} has no function {function_name!r}")
-    impl = FunctionBackend(fn, name=function_name)
+    # strict: a masked-out output the function returns fails here (enable(fn) only warns and drops it)
+    impl = FunctionBackend(fn, name=function_name, strict=True)
     impl.spec = spec  # lets a fuzz reproduction import it
     return impl
 
