@@ -139,27 +139,54 @@ def call_original(keyset, aten_args: tuple):
     return _state.originals[_device_key(keyset)].call_boxed(keyset, *aten_args)
 
 
+_profiler_enabled = torch.autograd._profiler_enabled  # one C call: near-zero cost when no profiler runs
+
+
+def _range_name(chosen: Implementation, args: ConvolutionBackwardArgs | None) -> str:
+    """``aten_override::convolution_backward[<backend>]``; the compiled backend's range names the
+    kernel it will run (``compiled/depthwise-plane``, ``compiled/tuning`` on a tuning call)."""
+    name = chosen.name
+    if name == "compiled" and args is not None:
+        from .ops.convolution_backward import compiled
+
+        try:
+            name = f"compiled/{compiled.planned_kernel(args)}"
+        except Exception:  # invalid arguments: the backend itself raises the error
+            pass
+    return f"aten_override::convolution_backward[{name}]"
+
+
 def _route(keyset, aten_args: tuple, impl: Implementation):
     """Serve one call with ``impl`` (or the original kernel); returns ``(result, Decision)``.
 
     The decision is counted (:func:`stats`) before the implementation runs, so calls that raise
-    are counted too."""
+    are counted too. While a profiler records (``torch.profiler``, ``torch.autograd.profiler``), the
+    call is a ``record_function`` range named by :func:`_range_name`."""
     if impl.is_aten:
         decision = Decision(impl.name, impl.name)
         _count(decision)
+        if _profiler_enabled():
+            with torch.profiler.record_function(_range_name(impl, None)):
+                return call_original(keyset, aten_args), decision
         return call_original(keyset, aten_args), decision
     args = ConvolutionBackwardArgs(*aten_args)
     chosen, reason = impl.select(args)
     decision = Decision(impl.name, chosen.name, reason)
     _count(decision)
+    if _profiler_enabled():
+        with torch.profiler.record_function(_range_name(chosen, args)):
+            return _serve(keyset, aten_args, args, chosen), decision
+    return _serve(keyset, aten_args, args, chosen), decision
+
+
+def _serve(keyset, aten_args, args, chosen):
     if chosen.is_aten:
-        return call_original(keyset, aten_args), decision
+        return call_original(keyset, aten_args)
     try:
-        result = chosen(args)
+        return chosen(args)
     except Exception as e:
         e.add_note(f"aten_override: raised by backend {chosen.name!r} serving {OP}; the dispatcher is unchanged")
         raise
-    return result, decision
 
 
 _reentry = threading.local()
