@@ -26,9 +26,13 @@ FUZZ_ENV = "ATEN_OVERRIDE_FUZZ_EXAMPLES"
 """Examples per fuzz test (``python -m aten_override test --fuzz N``); unset: the CI profile."""
 
 
-def backend_from_spec(spec: str) -> Implementation:
+def backend_from_spec(spec: str, *, strict: bool = True) -> Implementation:
     """The :class:`~aten_override.Implementation` for ``spec``: a built-in backend name
     (``"python"``, ``"aten"``, …) or ``"package.module:function"``.
+
+    ``strict`` (the test bed, the pytest plugin): a function's output returned where ``output_mask``
+    is False fails the call; ``strict=False`` (``python -m aten_override run``) drops it with a
+    warning, as ``enable(function)`` does.
 
     Raises:
         ValueError: ``spec`` is neither a backend name nor ``module:function``, or the module has
@@ -44,8 +48,7 @@ def backend_from_spec(spec: str) -> Implementation:
     fn = getattr(module, function_name, None)
     if not callable(fn):
         raise ValueError(f"aten_override: {spec!r}: module {module_name!r} has no function {function_name!r}")
-    # strict: a masked-out output the function returns fails here (enable(fn) only warns and drops it)
-    impl = FunctionBackend(fn, name=function_name, strict=True)
+    impl = FunctionBackend(fn, name=function_name, strict=strict)
     impl.spec = spec  # lets a fuzz reproduction import it
     return impl
 

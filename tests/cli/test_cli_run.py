@@ -117,7 +117,9 @@ def test_run_errors(capsys, program, tmp_path):
     assert cli_error(capsys, "run", "--trace", tmp_path / "no" / "t.json", program).endswith(
         f"directory '{tmp_path / 'no'}' does not exist"
     )
-    assert "invalid choice: 'fast'" in cli_error(capsys, "run", "--backend", "fast", program)
+    # --backend is validated as test --backend is (backend names and module:function), not by argparse choices
+    assert "--backend fast: aten_override: unknown backend 'fast'" in cli_error(capsys, "run", "--backend", "fast", program)
+    assert "has no function 'nope'" in cli_error(capsys, "run", "--backend", "aten_override.testing.example_backends:nope", program)
 
 
 @pytest.mark.skipif(aten_override.availability()["compiled"] is None, reason="the compiled backend is built")
