@@ -125,8 +125,9 @@ class Verification:
 
 @dataclasses.dataclass
 class CallRecord:
-    """One ``aten::convolution_backward`` call. Times are in microseconds; ``start_us`` is host time
-    since the trace began. ``time_us`` is measured with CUDA events for CUDA tensors
+    """One ``aten::convolution_backward`` call. ``id`` numbers every call the trace saw, recorded or
+    not (gaps show sampling). Times are in microseconds; ``start_us`` is host time since the trace
+    began. ``time_us`` is measured with CUDA events for CUDA tensors
     (``timer="cuda_event"``) and equals ``host_us`` on CPU; it is ``None`` when timing is off."""
 
     id: int
@@ -477,7 +478,7 @@ class trace(contextlib.ContextDecorator):
         timing: bool = True,
         log: bool = True,
         native: bool = True,
-        keep: int | None = 10_000,
+        keep: int | None = 1_000,
         every: int = 1,
         first: int | None = None,
         aggregate_only: bool = False,
@@ -589,6 +590,7 @@ class trace(contextlib.ContextDecorator):
         return route(keyset, aten_args, impl)
 
     def _observe(self, keyset, aten_args: tuple, impl, route):
+        call_id = next(self._next_call_id)  # every call gets its number, recorded or not
         node = torch._C._current_autograd_node()
         module = node.metadata.get(MODULE_KEY) if node is not None else None
         grad_output, x, w = aten_args[0], aten_args[1], aten_args[2]
@@ -602,7 +604,7 @@ class trace(contextlib.ContextDecorator):
             result, decision = self._route(keyset, aten_args, impl, route)
         except BaseException as e:
             end = time.perf_counter_ns()
-            record = self._record(aten_args, impl, module, node, start, end, events)
+            record = self._record(call_id, aten_args, impl, module, node, start, end, events)
             record.error = f"{type(e).__name__}: {e}"
             record.inner_calls = _registration.inner_calls()
             with self._lock:
@@ -638,7 +640,7 @@ class trace(contextlib.ContextDecorator):
             and (self.every == 1 or (n - 1) % self.every == 0)
             and (self.first is None or n <= self.first)
         ):
-            record = self._record(aten_args, impl, module, node, start, end, events)
+            record = self._record(call_id, aten_args, impl, module, node, start, end, events)
             record.native_backend = group.native
             record.outputs = [self._describe(t) for t in result]
             record.backend, record.fallback_reason = served, decision.reason
@@ -654,10 +656,10 @@ class trace(contextlib.ContextDecorator):
                 self._pending_events.append((None, events, group))
         return result, decision
 
-    def _record(self, aten_args, impl, module, node, start, end, events) -> CallRecord:
+    def _record(self, call_id, aten_args, impl, module, node, start, end, events) -> CallRecord:
         host_us = (end - start) / 1e3 if self.timing else None
         return CallRecord(
-            id=next(self._next_call_id),
+            id=call_id,
             thread=threading.current_thread().name,
             thread_id=threading.get_ident(),
             module=module,

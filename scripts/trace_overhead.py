@@ -9,7 +9,7 @@ without a trace::
 
 Configurations: ``native`` (nothing registered), ``enable(aten)`` (our kernel registered, no
 observer: the cost of the override itself), and ``trace`` with its options: records in memory
-(the default ring of 10,000), streamed to a JSON-lines file, sampled (``first=3``), and
+(the default ring of 1,000), streamed to a JSON-lines file, sampled (``first=3``), and
 ``aggregate_only``. ``--long N`` then runs N calls under the streaming and the aggregate-only
 tracer and prints the time per call, the process's resident memory before and after, and the
 streamed file's size.
@@ -56,7 +56,7 @@ def long_run(op, aten_args, n: int, directory: str) -> None:
     print(f"\n{n} calls under one tracer (RSS: resident memory of this process)")
     print(f"{'configuration':<36} {'us/call':>9} {'RSS before':>11} {'RSS after':>10} {'file MiB':>9}")
     for name, make in (
-        ("trace(path, keep=10000) streaming", lambda: aten_override.trace(path, log=False)),
+        ("trace(path) streaming, keep=1000", lambda: aten_override.trace(path, log=False)),
         ("trace(aggregate_only=True)", lambda: aten_override.trace(log=False, aggregate_only=True)),
     ):
         before = rss_mib()
