@@ -163,11 +163,8 @@ class CallRecord:
 
     def to_json(self) -> dict:
         """A JSON-ready dict (``"type": "call"``), faster than ``dataclasses.asdict``."""
-        d = dict(self.__dict__)
+        d = dict(self.__dict__)  # TensorInfo values: _ENCODER's default writes their fields
         d["type"] = "call"
-        d["args"] = {k: _jsonable(v) for k, v in self.args.items()}
-        d["outputs"] = [_jsonable(v) for v in self.outputs]
-        d["flags"] = dict(self.flags)
         if self.verify is not None:
             d["verify"] = dataclasses.asdict(self.verify)
         return d
@@ -200,8 +197,6 @@ class OpRecord:
     def to_json(self) -> dict:
         d = dict(self.__dict__)
         d["type"] = "op"
-        d["args"] = [_jsonable(v) for v in self.args]
-        d["outputs"] = [_jsonable(v) for v in self.outputs]
         return d
 
     @classmethod
@@ -214,15 +209,16 @@ class OpRecord:
 
 
 _PLAIN = frozenset({int, float, bool, str, type(None)})
-_ENCODER = json.JSONEncoder(default=str, check_circular=False, separators=(",", ":"))
 
 
-def _jsonable(value):
+def _encode_default(value):
+    """``json`` hook: a :class:`TensorInfo` as its fields, anything else as ``str``."""
     if type(value) is TensorInfo:
-        return dict(value.__dict__)
-    if type(value) is list:
-        return [_jsonable(v) for v in value]
-    return value
+        return value.__dict__
+    return str(value)
+
+
+_ENCODER = json.JSONEncoder(default=_encode_default, check_circular=False, separators=(",", ":"))
 
 
 def _tensor_info_from(value):
@@ -1157,7 +1153,7 @@ class TraceData:
     def save(self, path: str | os.PathLike) -> None:
         """Write JSON (``format``, ``version``, ``environment``, ``calls``, ``ops``, ``aggregates``)."""
         with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1, default=str)
+            json.dump(self.to_dict(), f, indent=1, default=_encode_default)
             f.write("\n")
 
     def chrome_trace(self) -> dict:
