@@ -442,7 +442,9 @@ def set_observer(observer: Callable | None) -> Callable | None:
 def stats() -> dict[str, object]:
     """Calls served per backend since :func:`reset_stats`: ``{"python": n, "aten": n, "fallback": n,
     "fallback_reasons": {"python: <reason>": n}}``. ``fallback`` counts calls the requested backend
-    handed to the original kernel (they are counted under ``aten`` too). Calls the C++ kernel served
+    handed to the original kernel (they are counted under ``aten`` too). ``inner_calls`` counts the
+    calls a backend made to the op itself (served by the original kernel inside the outer call, not
+    counted as calls of their own). Calls the C++ kernel served
     are merged in; ``"compiled_layer_classes": {class: n}`` counts the compiled backend's calls per
     layer class (``compiled.LAYER_CLASSES``; ``dense``/``transposed`` ran native by choice),
     ``"compiled_kernels": {kernel: n}`` per kernel that ran (``native`` where the table or the

@@ -20,8 +20,11 @@ the arguments but not the kernel. :class:`trace` hooks into our kernel
 Lines read like ``torch.testing._internal.logging_tensor`` (``$n`` tensor ids, ``f32[8, 64, 56,
 56]``) and also go to ``logging.getLogger("aten_override.trace")`` at INFO level. Traces export to
 JSON (:meth:`trace.save`, read back with :func:`load`) and to the Chrome trace format (opens in
-Perfetto / ``chrome://tracing``); while a profiler runs, every call is a
-``record_function("aten_override::convolution_backward[<backend>]")`` range.
+Perfetto / ``chrome://tracing``); ``trace(path)`` streams records to ``path`` as JSON lines while the
+run goes on. Memory is bounded: the last ``keep`` records and running aggregates of every call per
+(module, shapes, backend) group; ``every=``, ``first=`` and ``aggregate_only=`` sample the records.
+Profiler ranges (``aten_override::convolution_backward[<backend>]``) come from
+:mod:`aten_override._registration`, traced or not.
 
 With no trace active the kernel's path has no hook (the observer is ``None``) and no module hooks
 are installed.
