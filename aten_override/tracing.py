@@ -603,6 +603,8 @@ class trace(contextlib.ContextDecorator):
             result, decision = self._route(keyset, aten_args, impl, route)
         except BaseException as e:
             end = time.perf_counter_ns()
+            if events is not None:
+                events[1].record()
             record = self._record(call_id, aten_args, impl, module, node, start, end, events)
             record.error = f"{type(e).__name__}: {e}"
             record.inner_calls = _registration.inner_calls()
@@ -614,6 +616,8 @@ class trace(contextlib.ContextDecorator):
             self._add(record, events, group)
             raise
         end = time.perf_counter_ns()
+        if events is not None:
+            events[1].record()
         served, fallback = decision.backend, decision.reason is not None
         kernel = tuning = None
         if served == "compiled":
@@ -652,7 +656,7 @@ class trace(contextlib.ContextDecorator):
             self._add(record, events, group)
         elif events is not None:
             with self._lock:
-                self._pending_events.append((None, events, group))
+                self._pend((None, events, group))
         return result, decision
 
     def _record(self, call_id, aten_args, impl, module, node, start, end, events) -> CallRecord:
@@ -688,15 +692,20 @@ class trace(contextlib.ContextDecorator):
             self._calls.append(record)
             self._agg.recorded += 1
             if events is not None:
-                self._pending_events.append((record, events, group))
-                if len(self._pending_events) >= 256:
-                    self._resolve_cuda_times_locked(self._pending_events[:128])
-                    del self._pending_events[:128]
+                self._pend((record, events, group))
             else:
                 self._write(record.to_json())
         if self.log and log.isEnabledFor(logging.INFO):
             for line in format_call(record, times=self.timing):
                 log.info("%s", line)
+
+    def _pend(self, item) -> None:
+        """Queue a CUDA call's events (lock held); resolve the oldest half when 256 wait, so the
+        queue stays bounded (they have long completed then: synchronising costs nothing)."""
+        self._pending_events.append(item)
+        if len(self._pending_events) >= 256:
+            self._resolve_cuda_times_locked(self._pending_events[:128])
+            del self._pending_events[:128]
 
     def _add_op(self, record: OpRecord) -> None:
         with self._lock:
@@ -790,10 +799,6 @@ class trace(contextlib.ContextDecorator):
             if record is not None:
                 record.time_us = us
                 self._write(record.to_json())
-
-    def _flush_cuda_records(self, f) -> None:
-        self._resolve_cuda_times_locked(self._pending_events)
-        self._pending_events = []
 
     # -- results --------------------------------------------------------------------------------
 
