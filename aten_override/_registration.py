@@ -87,7 +87,7 @@ _OVERRIDE_WARNING = r"(?s).*Overriding a previously registered kernel.*"
 LINGER_AFTER = 8
 """Registrations of the Python library within :data:`LINGER_WINDOW_S` seconds after which an idle
 registration lingers instead of being destroyed (a per-step ``enable()``)."""
-LINGER_WINDOW_S = 1.0
+LINGER_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ class enable(contextlib.ContextDecorator):
     Semantics:
         - Nests: the innermost active ``enable`` wins; leaving it restores the outer one; leaving the
           outermost restores the original kernel: our kernel is deregistered, or, when ``enable``
-          is entered and left many times a second (per training step), it stays registered but
+          is entered and left per training step (8 times within a minute), it stays registered but
           idle, handing every call to the original kernel uncounted, so that per-step use does
           not grow upstream's dispatcher memory (:func:`aten_override.release` deregisters it;
           interpreter exit does).

@@ -44,7 +44,7 @@ def _seeded():
 def _dispatcher_restored():
     """Every test leaves the dispatcher exactly as it found it.
 
-    A test that enters and leaves ``enable()`` many times a second leaves the registration lingering
+    A test that enters and leaves ``enable()`` 8 times within a minute leaves the registration lingering
     idle (calls run the original kernel; ``aten_override.release()`` destroys it): released before
     each test, so every test starts from the native table, and after it, before the comparison (a
     leaked ``enable``/``install``/trace still fails it: ``release()`` leaves those alone)."""
