@@ -277,3 +277,24 @@ def test_calls_under_backend(backend):
     _assert_same(before, after, allowed_growth=CYCLES // 20)  # a per-cycle leak is >= CYCLES; lazy one-off caches are not
     assert rss1 - rss0 <= 256 * PAGE, f"RSS grew {(rss1 - rss0) / 1024:.0f} KiB over {CALLS} calls"
     assert_dispatcher_native()
+
+
+@pytest.mark.parametrize("step_s, lingers", [(5.0, True), (10.0, False)], ids=["5s-steps", "10s-steps"])
+def test_lingering_covers_real_training_steps(monkeypatch, step_s, lingers):
+    """Steps of a real model take seconds: 8 registrations within LINGER_WINDOW_S (60 s) linger,
+    slower use restores the table at every exit."""
+    import types
+
+    from aten_override import _registration
+
+    clock = [1000.0]
+
+    def monotonic():  # _registration reads the clock once per registration: one step each
+        clock[0] += step_s
+        return clock[0]
+
+    monkeypatch.setattr(_registration, "time", types.SimpleNamespace(monotonic=monotonic))
+    _cycles("python", _registration.LINGER_AFTER)
+    assert aten_override.is_lingering() is lingers
+    aten_override.release()
+    assert_dispatcher_native()
