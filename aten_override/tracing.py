@@ -65,7 +65,8 @@ FORMAT_VERSION = 1
 STREAM_VERSION = 2
 """Version of the JSON-lines file ``trace(path)`` streams: a header line ``{"format", "version",
 "environment", "options"}``, one line per record (``{"type": "call", ...}`` / ``{"type": "op",
-...}``) and a footer ``{"type": "summary", "aggregates": {...}}``."""
+...}``, tensors as ``{"$": [id, shape, stride, dtype, device, memory_format]}``) and a footer
+``{"type": "summary", "aggregates": {...}}``."""
 MODULE_KEY = "aten_override.module"
 _ARG_NAMES = tuple(f.name for f in dataclasses.fields(ConvolutionBackwardArgs))
 _OUTPUT_NAMES = ("grad_input", "grad_weight", "grad_bias")
@@ -221,12 +222,24 @@ def _encode_default(value):
     return str(value)
 
 
-_ENCODER = json.JSONEncoder(default=_encode_default, check_circular=False, separators=(",", ":"))
+def _encode_compact(value):
+    """``json`` hook of the streamed file: a :class:`TensorInfo` as ``{"$": [id, shape, stride,
+    dtype, device, memory_format]}`` (a fifth less to write and encode than its fields by name)."""
+    if type(value) is TensorInfo:
+        d = value.__dict__
+        return {"$": [d["id"], d["shape"], d["stride"], d["dtype"], d["device"], d["memory_format"]]}
+    return str(value)
+
+
+_ENCODER = json.JSONEncoder(default=_encode_compact, check_circular=False, separators=(",", ":"))
 
 
 def _tensor_info_from(value):
-    if isinstance(value, dict) and value.keys() == {f.name for f in dataclasses.fields(TensorInfo)}:
-        return TensorInfo(**value)
+    if isinstance(value, dict):
+        if value.keys() == {"$"}:  # the streamed file's compact form
+            return TensorInfo(*value["$"])
+        if value.keys() == {f.name for f in dataclasses.fields(TensorInfo)}:
+            return TensorInfo(**value)
     if isinstance(value, list):
         return [_tensor_info_from(v) for v in value]
     return value
