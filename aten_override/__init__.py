@@ -12,7 +12,7 @@ Importing this package registers nothing.
 """
 
 from . import backends
-from ._registration import active_backend, is_registered, original_kernel, reset_stats, stats
+from ._registration import active_backend, is_lingering, is_registered, original_kernel, release, reset_stats, stats
 from .backends import AUTO_PRIORITY, Backend, FunctionBackend, Implementation, availability
 from .context import enable, install, uninstall
 from .ops.convolution_backward.args import ConvolutionBackwardArgs
@@ -29,8 +29,10 @@ __all__ = [
     "backends",
     "enable",
     "install",
+    "is_lingering",
     "is_registered",
     "original_kernel",
+    "release",
     "reset_stats",
     "stats",
     "trace",

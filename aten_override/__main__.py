@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # command name -> module in aten_override.cli
@@ -46,7 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args._main(args) or 0)
+    try:
+        code = int(args._main(args) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader closed the pipe (`trace-summary --calls | head`): stop quietly. Python's
+        # documented recipe (the signal module's "Note on SIGPIPE"): point stdout at devnull so the
+        # interpreter's final flush does not raise again, and exit 1.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return code
 
 
 if __name__ == "__main__":

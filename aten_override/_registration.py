@@ -11,6 +11,17 @@ the tests. When the last ``push`` is popped the library is destroyed and the dis
 as before (``torch._C._dispatch_dump("aten::convolution_backward")`` shows no trace of us).
 Interpreter exit destroys it too.
 
+Per-step ``enable()`` (a ``train_step`` decorated with it, a ``with`` block in the training loop):
+registering and destroying a Python ``torch.library`` kernel keeps ~64 bytes of native memory per
+dispatch key in upstream's dispatcher (~210 bytes a cycle with our two keys and two
+``get_kernel`` captures; measured on torch 2.13.0, ``tests/robustness/test_leaks.py``). So once the
+Python library has been registered :data:`LINGER_AFTER` times within :data:`LINGER_WINDOW_S`
+seconds, leaving the last ``push`` no longer destroys it: it *lingers idle*, and the kernel hands
+every call straight to the captured original kernel (not counted, not traced) until the next
+``push`` makes a backend active again without any dispatcher write. :func:`release` destroys an idle
+registration at once; interpreter exit always does. The C++ registration of the compiled backend
+does not leak and never lingers.
+
 While the active backend is ``compiled`` and no observer (the tracer) is set, the C++ kernel of
 ``aten_override._C`` is registered at the same keys instead (``_C.register_kernels()``, a
 ``torch::Library`` owned by the extension): no Python runs per call, and its counters are merged
@@ -35,8 +46,9 @@ from __future__ import annotations
 import atexit
 import itertools
 import threading
+import time
 import warnings
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,12 +72,22 @@ __all__ = [
     "stats",
     "reset_stats",
     "set_observer",
+    "release",
+    "is_lingering",
+    "inner_calls",
     "Decision",
+    "LINGER_AFTER",
+    "LINGER_WINDOW_S",
 ]
 
 OP = "aten::convolution_backward"
 DISPATCH_KEYS = ("CPU", "CUDA")
 _OVERRIDE_WARNING = r"(?s).*Overriding a previously registered kernel.*"
+
+LINGER_AFTER = 8
+"""Registrations of the Python library within :data:`LINGER_WINDOW_S` seconds after which an idle
+registration lingers instead of being destroyed (a per-step ``enable()``)."""
+LINGER_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +118,10 @@ class _State:
         self.counts: Counter = Counter()
         self.fallback_reasons: Counter = Counter()
         self.counts_lock = threading.Lock()
+        # monotonic times of the last LINGER_AFTER registrations of the Python library
+        self.registered_at: deque = deque(maxlen=LINGER_AFTER)
+        # set once per-step use is seen; cleared by release() and interpreter exit
+        self.linger = False
 
 
 _state = _State()
@@ -113,46 +139,88 @@ def call_original(keyset, aten_args: tuple):
     return _state.originals[_device_key(keyset)].call_boxed(keyset, *aten_args)
 
 
+_profiler_enabled = torch.autograd._profiler_enabled  # one C call: near-zero cost when no profiler runs
+
+
+def _range_name(chosen: Implementation, args: ConvolutionBackwardArgs | None) -> str:
+    """``aten_override::convolution_backward[<backend>]``; the compiled backend's range names the
+    kernel it will run (``compiled/depthwise-plane``, ``compiled/tuning`` on a tuning call)."""
+    name = chosen.name
+    if name == "compiled" and args is not None:
+        from .ops.convolution_backward import compiled
+
+        try:
+            name = f"compiled/{compiled.planned_kernel(args)}"
+        except Exception:  # invalid arguments: the backend itself raises the error
+            pass
+    return f"aten_override::convolution_backward[{name}]"
+
+
 def _route(keyset, aten_args: tuple, impl: Implementation):
     """Serve one call with ``impl`` (or the original kernel); returns ``(result, Decision)``.
 
     The decision is counted (:func:`stats`) before the implementation runs, so calls that raise
-    are counted too."""
+    are counted too. While a profiler records (``torch.profiler``, ``torch.autograd.profiler``), the
+    call is a ``record_function`` range named by :func:`_range_name`."""
     if impl.is_aten:
         decision = Decision(impl.name, impl.name)
         _count(decision)
+        if _profiler_enabled():
+            with torch.profiler.record_function(_range_name(impl, None)):
+                return call_original(keyset, aten_args), decision
         return call_original(keyset, aten_args), decision
     args = ConvolutionBackwardArgs(*aten_args)
     chosen, reason = impl.select(args)
     decision = Decision(impl.name, chosen.name, reason)
     _count(decision)
+    if _profiler_enabled():
+        with torch.profiler.record_function(_range_name(chosen, args)):
+            return _serve(keyset, aten_args, args, chosen), decision
+    return _serve(keyset, aten_args, args, chosen), decision
+
+
+def _serve(keyset, aten_args, args, chosen):
     if chosen.is_aten:
-        return call_original(keyset, aten_args), decision
+        return call_original(keyset, aten_args)
     try:
-        result = chosen(args)
+        return chosen(args)
     except Exception as e:
         e.add_note(f"aten_override: raised by backend {chosen.name!r} serving {OP}; the dispatcher is unchanged")
         raise
-    return result, decision
 
 
 _reentry = threading.local()
 
 
 def _kernel(keyset, *aten_args):
-    impl = _state.active
-    if impl is None:  # popped between the dispatcher's lookup and this call
-        impl = ATEN_IMPL
     if getattr(_reentry, "depth", 0):
         # A backend called aten::convolution_backward itself (e.g. a user function delegating to
-        # torch.ops.aten.convolution_backward, or torch.nn.grad): serve that inner call with the
-        # original kernel instead of recursing into the backend.
-        impl = _REENTRANT
-    _reentry.depth = getattr(_reentry, "depth", 0) + 1
+        # torch.ops.aten.convolution_backward, or torch.nn.grad): that inner call is part of the
+        # outer one. It runs the original kernel (no recursion into the backend) and is neither
+        # counted as a call nor traced as one; the outer call's count of inner calls goes up.
+        _reentry.inner += 1
+        with _state.counts_lock:
+            _state.counts["inner_calls"] += 1
+        return call_original(keyset, aten_args)
+    impl = _state.active
+    if impl is None:
+        if _state.observer is None and not _state.pins:
+            # Idle (lingering, or popped between the dispatcher's lookup and this call): the
+            # original kernel, as if nothing were registered.
+            return call_original(keyset, aten_args)
+        impl = ATEN_IMPL
+    _reentry.depth = 1
+    _reentry.inner = 0
     try:
         return _observe_and_route(keyset, aten_args, impl)
     finally:
-        _reentry.depth -= 1
+        _reentry.depth = 0
+
+
+def inner_calls() -> int:
+    """How many times the backend serving this thread's current (or last) call called
+    ``aten::convolution_backward`` itself (each served by the original kernel, inside that call)."""
+    return getattr(_reentry, "inner", 0)
 
 
 def _observe_and_route(keyset, aten_args, impl):
@@ -160,18 +228,6 @@ def _observe_and_route(keyset, aten_args, impl):
     if observer is not None:
         return observer(keyset, aten_args, impl, _route)[0]
     return _route(keyset, aten_args, impl)[0]
-
-
-class _Reentrant(Implementation):
-    """Serves calls a backend makes from inside a backend: always the original kernel."""
-
-    name = "reentrant"
-
-    def select(self, args):
-        return ATEN_IMPL, "called from inside a backend: served by the original kernel (no recursion)"
-
-
-_REENTRANT = _Reentrant()
 
 
 def _count(decision: Decision) -> None:
@@ -185,8 +241,19 @@ def _count(decision: Decision) -> None:
 # --- registration lifecycle ----------------------------------------------------------------
 
 
+_captured: tuple[str, dict] | None = None  # (the dispatcher dump at capture, the kernels)
+
+
 def _capture_originals() -> dict[str, torch._C._SafeKernelFunction]:
-    return {key: get_kernel(OP, key) for key in DISPATCH_KEYS}
+    """The kernels of the CPU and CUDA keys, captured with ``get_kernel`` while nothing of ours is
+    registered. Each ``get_kernel`` keeps ~55 bytes of upstream's native memory, so the capture is
+    reused while the operator's dispatcher entry is unchanged (its ``_dispatch_dump``, ~15 us, keeps
+    nothing): per-step ``enable("compiled")`` cycles do not grow."""
+    global _captured
+    dump = torch._C._dispatch_dump(OP)
+    if _captured is None or _captured[0] != dump:
+        _captured = (dump, {key: get_kernel(OP, key) for key in DISPATCH_KEYS})
+    return _captured[1]
 
 
 class _CompiledRegistration:
@@ -222,6 +289,7 @@ def _register() -> None:
         _state.originals = originals
         return
     lib = Library("aten", "IMPL")
+    _state.registered_at.append(time.monotonic())
     try:
         with warnings.catch_warnings():
             # Overriding the CUDA key replaces a real kernel; upstream warns once per process.
@@ -242,10 +310,43 @@ def _deregister() -> None:
 
 
 def _sync_registration() -> None:
-    if _state.stack or _state.pins:
+    if _state.stack or _state.pins or _state.observer is not None:
         _register()
-    else:
+    elif not _should_linger():
         _deregister()
+
+
+def _should_linger() -> bool:
+    """Whether an idle Python registration stays (see the module's docstring)."""
+    if not isinstance(_state.library, Library):
+        return False
+    times = _state.registered_at
+    if len(times) == LINGER_AFTER and time.monotonic() - times[0] <= LINGER_WINDOW_S:
+        _state.linger = True
+    return _state.linger
+
+
+def release() -> bool:
+    """Destroy an idle, lingering registration now: the dispatcher table is exactly as before
+    (``torch._C._dispatch_dump("aten::convolution_backward")``), and the next ``enable()`` cycles
+    start counting towards :data:`LINGER_AFTER` afresh. Does nothing while a backend is enabled,
+    :func:`pin` holds it or a trace observes. Returns whether a registration was destroyed."""
+    with _state.lock:
+        if _state.stack or _state.pins or _state.observer is not None:
+            return False
+        _state.registered_at.clear()
+        _state.linger = False
+        if _state.library is None:
+            return False
+        _deregister()
+        return True
+
+
+def is_lingering() -> bool:
+    """Whether our kernel is registered but idle (every call runs the original kernel, uncounted)."""
+    with _state.lock:
+        idle = not (_state.stack or _state.pins or _state.observer is not None)
+        return idle and _state.library is not None
 
 
 def push(impl: Implementation) -> int:
@@ -300,7 +401,8 @@ def unpin() -> None:
 
 
 def is_registered() -> bool:
-    """Whether our kernel is registered at the dispatcher right now."""
+    """Whether our kernel is registered at the dispatcher right now (also while it lingers idle,
+    see :func:`is_lingering`)."""
     return _state.library is not None
 
 
@@ -340,7 +442,9 @@ def set_observer(observer: Callable | None) -> Callable | None:
 def stats() -> dict[str, object]:
     """Calls served per backend since :func:`reset_stats`: ``{"python": n, "aten": n, "fallback": n,
     "fallback_reasons": {"python: <reason>": n}}``. ``fallback`` counts calls the requested backend
-    handed to the original kernel (they are counted under ``aten`` too). Calls the C++ kernel served
+    handed to the original kernel (they are counted under ``aten`` too). ``inner_calls`` counts the
+    calls a backend made to the op itself (served by the original kernel inside the outer call, not
+    counted as calls of their own). Calls the C++ kernel served
     are merged in; ``"compiled_layer_classes": {class: n}`` counts the compiled backend's calls per
     layer class (``compiled.LAYER_CLASSES``; ``dense``/``transposed`` ran native by choice),
     ``"compiled_kernels": {kernel: n}`` per kernel that ran (``native`` where the table or the
@@ -394,5 +498,7 @@ def _restore_at_exit() -> None:
         _state.stack.clear()
         _state.pins = 0
         _state.active = None
+        _state.observer = None
+        _state.linger = False
         _deregister()
 

@@ -11,6 +11,7 @@ Nothing here touches the dispatcher; :mod:`aten_override._registration` does.
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Callable
 from typing import Union
 
@@ -118,31 +119,71 @@ class FunctionBackend(Implementation):
 
     Arguments are validated (:func:`check_args`) before ``fn`` sees them, and its result is checked
     for the right ``None`` pattern, shapes and dtypes.
+
+    An output ``fn`` returns although its ``output_mask`` entry is False is dropped (``None`` goes to
+    autograd) with a ``UserWarning`` naming ``fn``, once per process and function: the original
+    kernel itself returns such a ``grad_weight`` on its oneDNN path, so a function delegating to
+    ``torch.ops.aten.convolution_backward`` does too. With ``strict=True`` (the test bed:
+    ``python -m aten_override test --backend module:function``, ``pytest --aten-override``) it is a
+    ``RuntimeError`` instead, whose message says why: a backend should not compute what was not asked.
+
+    Args:
+        fn: the function.
+        name: the backend's name in :func:`aten_override.stats`, traces and errors (default:
+            ``fn.__name__``).
+        strict: raise instead of dropping masked-out outputs.
     """
 
-    def __init__(self, fn: Callable, name: str | None = None):
+    def __init__(self, fn: Callable, name: str | None = None, *, strict: bool = False):
         self.fn = fn
         self.name = name or getattr(fn, "__name__", "custom")
+        self.strict = strict
 
     def __call__(self, args):
         check_args(args, self.name)
         result = self.fn(*args.as_aten_args())
-        _check_result(args, result, self.name)
-        return tuple(result)
+        return _check_result(args, result, self.name, strict=self.strict, fn=self.fn)
 
 
-def _check_result(args: ConvolutionBackwardArgs, result, backend: str) -> None:
-    """Raise ``RuntimeError`` if a backend's result breaks the schema's contract: the ``None``
-    pattern of ``output_mask``, shapes (``grad_bias``: ``(C_out,)``, or ``bias_sizes`` for an empty
-    batch), dtype and device."""
+_warned_masked: set = set()
+
+
+def _warn_masked(fn, backend: str, name: str, i: int) -> None:
+    key = (getattr(fn, "__module__", None), getattr(fn, "__qualname__", backend))
+    if key in _warned_masked:
+        return
+    _warned_masked.add(key)
+    qualname = ".".join(k for k in key if k)
+    warnings.warn(
+        f"convolution_backward[{backend}]: {qualname} returned a {name} although output_mask[{i}] is False; "
+        "it is dropped (None goes to autograd). Return None for masked-out outputs "
+        "(the original kernel's oneDNN path computes one anyway). Warned once per process.",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+def _check_result(args: ConvolutionBackwardArgs, result, backend: str, *, strict: bool = True, fn=None) -> tuple:
+    """The backend's result as a tuple, after checking the schema's contract: three outputs, the
+    ``None`` pattern of ``output_mask``, shapes (``grad_bias``: ``(C_out,)``, or ``bias_sizes`` for
+    an empty batch), dtype and device.
+
+    A tensor where ``output_mask`` is False raises with ``strict``, else it is dropped (once-per-process
+    warning naming ``fn``).
+
+    Raises:
+        RuntimeError: naming the backend, the output and the offending value.
+    """
     if not isinstance(result, (tuple, list)) or len(result) != 3:
+        got = f"a {type(result).__name__} of {len(result)} outputs" if isinstance(result, (tuple, list)) else type(result).__name__
         raise RuntimeError(
-            f"convolution_backward[{backend}]: expected a tuple (grad_input, grad_weight, grad_bias), got {type(result).__name__}"
+            f"convolution_backward[{backend}]: expected a tuple of 3 outputs (grad_input, grad_weight, grad_bias), got {got}"
         )
+    result = tuple(result)
     # C_out from weight: after check_args it is grad_output.size(1), except on an empty call, where
     # grad_output may have 0 channels (the zero-channel forward drops the bias).
     bias_shapes = [[args.c_out]]
-    if args.bias_sizes is not None:
+    if args.bias_sizes is not None and [int(s) for s in args.bias_sizes] not in bias_shapes:
         bias_shapes.append([int(s) for s in args.bias_sizes])
     expected = ([list(args.input.shape)], [list(args.weight.shape)], bias_shapes)
     # dtypes as upstream's: an empty call (where the dtypes may differ) gives zeros like input and weight.
@@ -151,7 +192,14 @@ def _check_result(args: ConvolutionBackwardArgs, result, backend: str) -> None:
         where = f"convolution_backward[{backend}]: {name}"
         if not args.output_mask[i]:
             if t is not None:
-                raise RuntimeError(f"{where} must be None when output_mask[{i}] is False")
+                if strict:
+                    raise RuntimeError(
+                        f"{where} must be None when output_mask[{i}] is False (a backend must not return what was not "
+                        "asked for; enable(function) drops it with a warning, the test bed fails it so that a backend "
+                        "ignoring output_mask is caught)"
+                    )
+                _warn_masked(fn, backend, name, i)
+                result = result[:i] + (None,) + result[i + 1 :]
             continue
         if not isinstance(t, torch.Tensor):
             raise RuntimeError(f"{where} is {type(t).__name__}, expected a Tensor")
@@ -161,6 +209,7 @@ def _check_result(args: ConvolutionBackwardArgs, result, backend: str) -> None:
             raise RuntimeError(f"{where} has dtype {t.dtype}, expected {dtype}")
         if t.device != args.grad_output.device:
             raise RuntimeError(f"{where} is on {t.device}, expected {args.grad_output.device}")
+    return result
 
 
 ATEN_IMPL = _Aten()

@@ -32,7 +32,11 @@ class enable(contextlib.ContextDecorator):
 
     Semantics:
         - Nests: the innermost active ``enable`` wins; leaving it restores the outer one; leaving the
-          outermost restores the dispatcher exactly (our kernel is deregistered).
+          outermost restores the original kernel: our kernel is deregistered, or, when ``enable``
+          is entered and left per training step (8 times within a minute), it stays registered but
+          idle, handing every call to the original kernel uncounted, so that per-step use does
+          not grow upstream's dispatcher memory (:func:`aten_override.release` deregisters it;
+          interpreter exit does).
         - Restores on exceptions (``KeyboardInterrupt`` too) and at interpreter exit.
         - Process-global: autograd runs CUDA backward on worker threads, so the setting is not
           thread-local. Across threads the most recently entered, still active ``enable`` wins.
@@ -40,6 +44,10 @@ class enable(contextlib.ContextDecorator):
           run backward.
         - Calls a backend does not support fall back to the original kernel; the reason is
           recorded (:func:`aten_override.stats`, :func:`aten_override.trace`).
+        - A function backend's own calls of ``aten::convolution_backward`` run the original kernel
+          inside the outer call (``stats()["inner_calls"]``); an output it returns where
+          ``output_mask`` is False is dropped with a once-per-process ``UserWarning`` naming it
+          (see :class:`aten_override.FunctionBackend`).
 
         autotune: how the compiled backend picks a kernel per call signature (``"compiled"`` and
             ``"auto"`` only): ``True`` (time the candidate kernels on the first call of each

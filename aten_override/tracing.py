@@ -20,8 +20,11 @@ the arguments but not the kernel. :class:`trace` hooks into our kernel
 Lines read like ``torch.testing._internal.logging_tensor`` (``$n`` tensor ids, ``f32[8, 64, 56,
 56]``) and also go to ``logging.getLogger("aten_override.trace")`` at INFO level. Traces export to
 JSON (:meth:`trace.save`, read back with :func:`load`) and to the Chrome trace format (opens in
-Perfetto / ``chrome://tracing``); while a profiler runs, every call is a
-``record_function("aten_override::convolution_backward[<backend>]")`` range.
+Perfetto / ``chrome://tracing``); ``trace(path)`` streams records to ``path`` as JSON lines while the
+run goes on. Memory is bounded: the last ``keep`` records and running aggregates of every call per
+(module, shapes, backend) group; ``every=``, ``first=`` and ``aggregate_only=`` sample the records.
+Profiler ranges (``aten_override::convolution_backward[<backend>]``) come from
+:mod:`aten_override._registration`, traced or not.
 
 With no trace active the kernel's path has no hook (the observer is ``None``) and no module hooks
 are installed.
@@ -29,6 +32,8 @@ are installed.
 
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -50,12 +55,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _registration
 from .ops.convolution_backward.args import ConvolutionBackwardArgs, native_backend
 
-__all__ = ["trace", "CallRecord", "OpRecord", "TensorInfo", "Verification", "TraceData", "load", "default_tolerance"]
+__all__ = ["trace", "CallRecord", "OpRecord", "TensorInfo", "Verification", "TraceData", "Aggregates", "load", "default_tolerance"]
 
 log = logging.getLogger("aten_override.trace")
 
 FORMAT = "aten_override.trace"
 FORMAT_VERSION = 1
+"""Version of the one-document JSON of :meth:`TraceData.save`."""
+STREAM_VERSION = 2
+"""Version of the JSON-lines file ``trace(path)`` streams: a header line ``{"format", "version",
+"environment", "options"}``, one line per record (``{"type": "call", ...}`` / ``{"type": "op",
+...}``, tensors as ``{"$": [id, shape, stride, dtype, device, memory_format]}``) and a footer
+``{"type": "summary", "aggregates": {...}}``."""
 MODULE_KEY = "aten_override.module"
 _ARG_NAMES = tuple(f.name for f in dataclasses.fields(ConvolutionBackwardArgs))
 _OUTPUT_NAMES = ("grad_input", "grad_weight", "grad_bias")
@@ -118,8 +129,9 @@ class Verification:
 
 @dataclasses.dataclass
 class CallRecord:
-    """One ``aten::convolution_backward`` call. Times are in microseconds; ``start_us`` is host time
-    since the trace began. ``time_us`` is measured with CUDA events for CUDA tensors
+    """One ``aten::convolution_backward`` call. ``id`` numbers every call the trace saw, recorded or
+    not (gaps show sampling). Times are in microseconds; ``start_us`` is host time since the trace
+    began. ``time_us`` is measured with CUDA events for CUDA tensors
     (``timer="cuda_event"``) and equals ``host_us`` on CPU; it is ``None`` when timing is off."""
 
     id: int
@@ -142,6 +154,7 @@ class CallRecord:
     error: str | None = None
     kernel: str | None = None  # the compiled backend's kernel: "compiled/depthwise-lanes", "compiled/native"
     tuning: dict | None = None  # on the call that tuned its signature: {"times_us": {...}, "rejected": {...}}
+    inner_calls: int = 0  # calls the backend made to aten::convolution_backward itself (original kernel)
 
     @property
     def served_by(self) -> str:
@@ -152,9 +165,18 @@ class CallRecord:
     def fallback(self) -> bool:
         return self.fallback_reason is not None
 
+    def to_json(self) -> dict:
+        """A JSON-ready dict (``"type": "call"``), faster than ``dataclasses.asdict``."""
+        d = dict(self.__dict__)  # TensorInfo values: _ENCODER's default writes their fields
+        d["type"] = "call"
+        if self.verify is not None:
+            d["verify"] = dataclasses.asdict(self.verify)
+        return d
+
     @classmethod
     def from_dict(cls, d: dict) -> CallRecord:
         d = dict(d)
+        d.pop("type", None)
         d["args"] = {k: _tensor_info_from(v) for k, v in d["args"].items()}
         d["outputs"] = [_tensor_info_from(v) for v in d["outputs"]]
         d["verify"] = Verification(**d["verify"]) if d.get("verify") else None
@@ -176,9 +198,15 @@ class OpRecord:
     start_us: float
     host_us: float | None
 
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d["type"] = "op"
+        return d
+
     @classmethod
     def from_dict(cls, d: dict) -> OpRecord:
         d = dict(d)
+        d.pop("type", None)
         d["args"] = [_tensor_info_from(v) for v in d["args"]]
         d["outputs"] = [_tensor_info_from(v) for v in d["outputs"]]
         return cls(**d)
@@ -187,9 +215,31 @@ class OpRecord:
 _PLAIN = frozenset({int, float, bool, str, type(None)})
 
 
+def _encode_default(value):
+    """``json`` hook: a :class:`TensorInfo` as its fields, anything else as ``str``."""
+    if type(value) is TensorInfo:
+        return value.__dict__
+    return str(value)
+
+
+def _encode_compact(value):
+    """``json`` hook of the streamed file: a :class:`TensorInfo` as ``{"$": [id, shape, stride,
+    dtype, device, memory_format]}`` (a fifth less to write and encode than its fields by name)."""
+    if type(value) is TensorInfo:
+        d = value.__dict__
+        return {"$": [d["id"], d["shape"], d["stride"], d["dtype"], d["device"], d["memory_format"]]}
+    return str(value)
+
+
+_ENCODER = json.JSONEncoder(default=_encode_compact, check_circular=False, separators=(",", ":"))
+
+
 def _tensor_info_from(value):
-    if isinstance(value, dict) and value.keys() == {f.name for f in dataclasses.fields(TensorInfo)}:
-        return TensorInfo(**value)
+    if isinstance(value, dict):
+        if value.keys() == {"$"}:  # the streamed file's compact form
+            return TensorInfo(*value["$"])
+        if value.keys() == {f.name for f in dataclasses.fields(TensorInfo)}:
+            return TensorInfo(**value)
     if isinstance(value, list):
         return [_tensor_info_from(v) for v in value]
     return value
@@ -364,16 +414,31 @@ def _current_node() -> tuple[str | None, str | None]:
 
 class trace(contextlib.ContextDecorator):
     r"""Record every ``aten::convolution_backward`` call (and with ``ops=True`` every aten op the
-    autograd engine runs) while active.
+    autograd engine runs) while active, in bounded memory whatever the run's length.
 
     Works with or without :func:`aten_override.enable`: when no backend is enabled the trace keeps
     our kernel registered (:func:`aten_override.install`) so native calls are recorded with
     ``backend="aten"``; on exit the dispatcher is as before
     (``torch._C._dispatch_dump("aten::convolution_backward")``).
 
+    What is kept:
+
+    - **aggregates** of every call, per group (module, ``input`` and ``weight`` dtype and shape,
+      the backend or kernel that served it, fallback or not): calls, total time; fallback reasons,
+      verification and error counts. :meth:`summary` prints them. Memory grows with the number of
+      groups, not of calls.
+    - **records** (:class:`CallRecord`, :class:`OpRecord`) of the calls the sampling options select:
+      the last ``keep`` in memory (:attr:`calls`, :attr:`ops`), and all of them streamed to
+      ``path`` as they happen. Calls that fail verification or raise are always recorded.
+
     Args:
-        verify: also run the original kernel on the same inputs and record the error
-            (:class:`Verification`); :meth:`failures` lists the calls beyond tolerance.
+        path: stream records to this file as JSON lines (a header line, one line per record,
+            flushed line by line, and a ``summary`` footer with the aggregates on exit, at
+            interpreter exit, or — under ``python -m aten_override run`` — on SIGINT/SIGTERM).
+            A process killed before the footer leaves a valid file without it; :func:`load` then
+            recomputes the summary from the records. ``None``: records stay in memory only.
+        verify: also run the original kernel on the same inputs of every call and record the
+            error (:class:`Verification`); :meth:`failures` lists the calls beyond tolerance.
         rtol, atol: override :func:`default_tolerance` for ``verify``.
         ops: also record every other aten op run in the backward pass (ops that run while
             ``torch._C._current_autograd_node()`` is set), with a ``TorchDispatchMode``. Dispatch
@@ -381,16 +446,27 @@ class trace(contextlib.ContextDecorator):
             not recorded (its ``convolution_backward`` calls are). It costs a Python call per op,
             forward ops included.
         timing: measure each call (``time.perf_counter_ns``; CUDA: events, synchronised on exit).
-        log: emit each line to ``logging.getLogger("aten_override.trace")`` at INFO level.
-        native: ask ``torch._C._select_conv_backend`` which backend upstream would have chosen.
+        log: emit each recorded call's lines to ``logging.getLogger("aten_override.trace")`` at
+            INFO level.
+        native: ask ``torch._C._select_conv_backend`` which backend upstream would have chosen
+            (once per group, on its first call).
+        keep: how many records :attr:`calls` (and :attr:`ops`) hold: the last ``keep``; ``None``
+            keeps every one (memory then grows with the run, ~4 KB a call).
+        every: record every ``every``-th call of each group (the 1st, ``every+1``-th, ...).
+        first: record only the first ``first`` calls of each group.
+        aggregate_only: record nothing, keep the aggregates only (the cheapest mode: a few
+            microseconds a call, ``scripts/trace_overhead.py``).
 
     Attributes:
-        calls: the :class:`CallRecord`\ s, in call order.
-        ops: the :class:`OpRecord`\ s (``ops=True``).
+        calls: the last ``keep`` recorded :class:`CallRecord`\ s, in call order (a new list).
+        ops: the last ``keep`` :class:`OpRecord`\ s (``ops=True``).
+        path: the streamed file, or ``None``.
 
     Raises:
         RuntimeError: on entering a trace object that is already active (nest a new one instead).
             Exceptions of the backend propagate unchanged; their call is recorded with ``error``.
+        ValueError: ``every``, ``first`` or ``keep`` below 1 (``keep`` may be ``None``).
+        OSError: ``path`` cannot be opened for writing (on entering).
 
     Example::
 
@@ -398,10 +474,14 @@ class trace(contextlib.ContextDecorator):
         ...     model(x).sum().backward()
         >>> print(t.summary())
         >>> t.save("trace.json"); t.save_chrome_trace("trace.chrome.json")
+        >>> with aten_override.trace("run.jsonl", first=3, keep=100):  # a long run
+        ...     train(epochs=90)
+        >>> print(aten_override.tracing.load("run.jsonl").summary())
     """
 
     def __init__(
         self,
+        path: str | os.PathLike | None = None,
         *,
         verify: bool = False,
         rtol: float | None = None,
@@ -410,24 +490,48 @@ class trace(contextlib.ContextDecorator):
         timing: bool = True,
         log: bool = True,
         native: bool = True,
+        keep: int | None = 1_000,
+        every: int = 1,
+        first: int | None = None,
+        aggregate_only: bool = False,
     ):
+        for name, value in (("every", every), ("first", first), ("keep", keep)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"aten_override.trace: {name} must be a positive integer, got {value!r}")
+        self.path = None if path is None else os.fspath(path)
         self.verify = verify
         self.rtol, self.atol = rtol, atol
-        self.record_ops = ops
+        self.record_ops = ops and not aggregate_only
         self.timing = timing
         self.log = log
         self.native = native
-        self.calls: list[CallRecord] = []
-        self.ops: list[OpRecord] = []
+        self.keep = keep
+        self.every = every
+        self.first = first
+        self.aggregate_only = aggregate_only
+        self._calls: collections.deque = collections.deque(maxlen=keep)
+        self._ops: collections.deque = collections.deque(maxlen=keep)
+        self._agg = _LiveAggregates()
         self._lock = threading.Lock()
         self._active = False
+        self._file = None
+
+    @property
+    def calls(self) -> list[CallRecord]:
+        return list(self._calls)
+
+    @property
+    def ops(self) -> list[OpRecord]:
+        return list(self._ops)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def __enter__(self) -> trace:
         if self._active:
             raise RuntimeError("aten_override.trace: this trace is already active (create a new one to nest)")
-        self.calls, self.ops = [], []
+        self._calls.clear()
+        self._ops.clear()
+        self._agg = _LiveAggregates()
         self._ids: dict[int, tuple[weakref.ref, int]] = {}
         self._next_tensor_id = itertools.count()
         self._next_call_id = itertools.count(1)
@@ -436,6 +540,15 @@ class trace(contextlib.ContextDecorator):
         self._tagger = _ModuleTagger()
         self._exit = contextlib.ExitStack()
         try:
+            if self.path is not None:
+                # line-buffered: every record reaches the OS as one write, so a killed process
+                # leaves whole lines
+                self._file = open(self.path, "w", buffering=1)
+                self._exit.callback(self._close_file)
+                self._write({"format": FORMAT, "version": STREAM_VERSION, "environment": _environment(),
+                             "options": self._options()})
+                atexit.register(self._close_file)
+                self._exit.callback(atexit.unregister, self._close_file)
             _registration.pin()
             self._exit.callback(_registration.unpin)
             self._previous_observer = _registration.set_observer(self._observe)
@@ -457,6 +570,29 @@ class trace(contextlib.ContextDecorator):
         finally:
             self._resolve_cuda_times()
 
+    def _options(self) -> dict:
+        return {"verify": self.verify, "ops": self.record_ops, "keep": self.keep, "every": self.every,
+                "first": self.first, "aggregate_only": self.aggregate_only}
+
+    def _write(self, obj: dict) -> None:
+        f = self._file
+        if f is not None:
+            f.write(_ENCODER.encode(obj) + "\n")
+
+    def _close_file(self) -> None:
+        """Write the summary footer and close the streamed file (once; also at interpreter exit)."""
+        with self._lock:
+            f = self._file
+            if f is None:
+                return
+            try:
+                self._resolve_cuda_times_locked(self._pending_events)
+                self._pending_events = []
+                self._write({"type": "summary", "aggregates": self._agg.snapshot().to_dict()})
+            finally:
+                self._file = None
+                f.close()
+
     # -- the observer ---------------------------------------------------------------------------
 
     def _route(self, keyset, aten_args, impl, route):
@@ -466,80 +602,128 @@ class trace(contextlib.ContextDecorator):
         return route(keyset, aten_args, impl)
 
     def _observe(self, keyset, aten_args: tuple, impl, route):
-        args = ConvolutionBackwardArgs(*aten_args)
-        record = CallRecord(
-            id=next(self._next_call_id),
+        call_id = next(self._next_call_id)  # every call gets its number, recorded or not
+        node = torch._C._current_autograd_node()
+        module = node.metadata.get(MODULE_KEY) if node is not None else None
+        grad_output, x, w = aten_args[0], aten_args[1], aten_args[2]
+        cuda = self.timing and grad_output.is_cuda
+        events = None
+        if cuda:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        start = time.perf_counter_ns()
+        try:
+            result, decision = self._route(keyset, aten_args, impl, route)
+        except BaseException as e:
+            end = time.perf_counter_ns()
+            if events is not None:
+                events[1].record()
+            record = self._record(call_id, aten_args, impl, module, node, start, end, events)
+            record.error = f"{type(e).__name__}: {e}"
+            record.inner_calls = _registration.inner_calls()
+            with self._lock:
+                group = self._agg.group(module, x, w, impl.name, False, self, aten_args)
+                group.calls += 1
+                record.native_backend = group.native
+                self._agg.add_error(record)
+            self._add(record, events, group)
+            raise
+        end = time.perf_counter_ns()
+        if events is not None:
+            events[1].record()
+        served, fallback = decision.backend, decision.reason is not None
+        kernel = tuning = None
+        if served == "compiled":
+            kernel, tuning = _compiled_kernel()
+        verification = None
+        if self.verify:
+            verification = self._verify(keyset, aten_args, ConvolutionBackwardArgs(*aten_args), result, decision)
+        failed = verification is not None and not (verification.ok and verification.strides_match)
+        agg = self._agg
+        with self._lock:
+            group = agg.group(module, x, w, kernel or served, fallback, self, aten_args)
+            n = group.calls = group.calls + 1
+            if self.timing and events is None:
+                group.total_us += (end - start) / 1e3
+            if fallback:
+                agg.fallbacks += 1
+                key = f"{decision.requested}: {decision.reason}"
+                agg.fallback_reasons[key] = agg.fallback_reasons.get(key, 0) + 1
+            if verification is not None:
+                agg.verified += 1
+        if failed or (
+            not self.aggregate_only
+            and (self.every == 1 or (n - 1) % self.every == 0)
+            and (self.first is None or n <= self.first)
+        ):
+            record = self._record(call_id, aten_args, impl, module, node, start, end, events)
+            record.native_backend = group.native
+            record.outputs = [self._describe(t) for t in result]
+            record.backend, record.fallback_reason = served, decision.reason
+            record.kernel, record.tuning = kernel, tuning
+            record.verify = verification
+            record.inner_calls = _registration.inner_calls()
+            if failed:
+                with self._lock:
+                    agg.add_failure(record)
+            self._add(record, events, group)
+        elif events is not None:
+            with self._lock:
+                self._pend((None, events, group))
+        return result, decision
+
+    def _record(self, call_id, aten_args, impl, module, node, start, end, events) -> CallRecord:
+        host_us = (end - start) / 1e3 if self.timing else None
+        return CallRecord(
+            id=call_id,
             thread=threading.current_thread().name,
             thread_id=threading.get_ident(),
-            module=None,
-            node=None,
+            module=module,
+            node=type(node).__name__ if node is not None else None,
             args={name: self._describe(value) for name, value in zip(_ARG_NAMES, aten_args)},
             outputs=[None, None, None],
             requested=impl.name,
             backend=impl.name,
             fallback_reason=None,
-            native_backend=self._native_backend(args) if self.native else None,
+            native_backend=None,
             flags=current_flags(),
-            start_us=0.0,
-            host_us=None,
-            time_us=None,
-            timer="cuda_event" if args.device_type == "cuda" else "cpu",
+            start_us=(start - self._t0) / 1e3,
+            host_us=host_us,
+            time_us=host_us if events is None else None,
+            timer="cuda_event" if aten_args[0].is_cuda else "cpu",
         )
-        record.node, record.module = _current_node()
-        profiled = torch.autograd._profiler_enabled()
-        events = None
-        if self.timing and record.timer == "cuda_event":
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
-        start = time.perf_counter_ns()
-        try:
-            if profiled:
-                name = f"aten_override::convolution_backward[{_predicted_backend(impl, args)}]"
-                with torch.profiler.record_function(name):
-                    result, decision = self._route(keyset, aten_args, impl, route)
-            else:
-                result, decision = self._route(keyset, aten_args, impl, route)
-        except BaseException as e:
-            record.error = f"{type(e).__name__}: {e}"
-            self._finish(record, start, events)
-            raise
-        self._finish(record, start, events, result, decision, keyset, aten_args, args)
-        return result, decision
-
-    def _finish(self, record, start, events, result=None, decision=None, keyset=None, aten_args=None, args=None):
-        """Stop the clocks (before verifying, which is not timed), fill in the result, store."""
-        end = time.perf_counter_ns()
-        if events is not None:
-            events[1].record()
-        record.start_us = (start - self._t0) / 1e3
-        if self.timing:
-            record.host_us = (end - start) / 1e3
-            if events is None:
-                record.time_us = record.host_us
-        if decision is not None:
-            record.outputs = [self._describe(t) for t in result]
-            record.backend, record.fallback_reason = decision.backend, decision.reason
-            if decision.backend == "compiled":
-                record.kernel, record.tuning = _compiled_kernel()
-            if self.verify:
-                record.verify = self._verify(keyset, aten_args, args, result, decision)
-        self._add(record, events)
 
     @staticmethod
-    def _native_backend(args: ConvolutionBackwardArgs) -> str:
+    def _native_backend(aten_args) -> str:
         try:
-            return conv_backend_name(native_backend(args))
+            return conv_backend_name(native_backend(ConvolutionBackwardArgs(*aten_args)))
         except Exception as e:  # invalid arguments: the backend reports them
             return f"? ({type(e).__name__})"
 
-    def _add(self, record: CallRecord, events) -> None:
+    def _add(self, record: CallRecord, events, group=None) -> None:
         with self._lock:
-            self.calls.append(record)
+            self._calls.append(record)
+            self._agg.recorded += 1
             if events is not None:
-                self._pending_events.append((record, events))
+                self._pend((record, events, group))
+            else:
+                self._write(record.to_json())
         if self.log and log.isEnabledFor(logging.INFO):
             for line in format_call(record, times=self.timing):
                 log.info("%s", line)
+
+    def _pend(self, item) -> None:
+        """Queue a CUDA call's events (lock held); resolve the oldest half when 256 wait, so the
+        queue stays bounded (they have long completed then: synchronising costs nothing)."""
+        self._pending_events.append(item)
+        if len(self._pending_events) >= 256:
+            self._resolve_cuda_times_locked(self._pending_events[:128])
+            del self._pending_events[:128]
+
+    def _add_op(self, record: OpRecord) -> None:
+        with self._lock:
+            self._ops.append(record)
+            self._write(record.to_json())
 
     def _describe(self, value):
         kind = type(value)
@@ -559,7 +743,9 @@ class trace(contextlib.ContextDecorator):
         if entry is not None and entry[0]() is t:
             return entry[1]
         n = next(self._next_tensor_id)
-        self._ids[id(t)] = (weakref.ref(t), n)
+        key = id(t)
+        # the entry goes when the tensor does: the table stays bounded by the live tensors
+        self._ids[key] = (weakref.ref(t, functools.partial(_forget, self._ids, key)), n)
         return n
 
     def _tensor_info(self, t: torch.Tensor) -> TensorInfo:
@@ -612,18 +798,29 @@ class trace(contextlib.ContextDecorator):
 
     def _resolve_cuda_times(self) -> None:
         with self._lock:
-            pending, self._pending_events = self._pending_events, []
-        for record, (start, end) in pending:
+            self._resolve_cuda_times_locked(self._pending_events)
+            self._pending_events = []
+
+    def _resolve_cuda_times_locked(self, pending) -> None:
+        """CUDA event times of ``pending`` ``(record or None, events, group)``: into the record (then
+        streamed) and the group's total."""
+        for record, (start, end), group in pending:
             end.synchronize()
-            record.time_us = start.elapsed_time(end) * 1e3
+            us = start.elapsed_time(end) * 1e3
+            if group is not None:
+                group.total_us += us
+            if record is not None:
+                record.time_us = us
+                self._write(record.to_json())
 
     # -- results --------------------------------------------------------------------------------
 
     def data(self) -> TraceData:
-        """The recorded calls and ops as a :class:`TraceData` (what :meth:`save` writes)."""
+        """The kept records and the aggregates of every call as a :class:`TraceData` (what
+        :meth:`save` writes)."""
         self._resolve_cuda_times()
         with self._lock:
-            return TraceData(list(self.calls), list(self.ops), _environment())
+            return TraceData(list(self._calls), list(self._ops), _environment(), self._agg.snapshot(self.timing))
 
     def lines(self, *, times: bool = True) -> list[str]:
         return self.data().lines(times=times)
@@ -632,6 +829,8 @@ class trace(contextlib.ContextDecorator):
         return "\n".join(self.lines(times=times))
 
     def summary(self, *, times: bool = True) -> str:
+        """Every call (sampled or not) grouped by module, shapes and backend: counts and time
+        (microseconds), fallback reasons, verification failures and errors."""
         return self.data().summary(times=times)
 
     def failures(self) -> list[CallRecord]:
@@ -641,6 +840,7 @@ class trace(contextlib.ContextDecorator):
         return self.data().to_dict()
 
     def save(self, path: str | os.PathLike) -> None:
+        """Write the kept records and the aggregates as one JSON document (format version 1)."""
         self.data().save(path)
 
     def save_chrome_trace(self, path: str | os.PathLike) -> None:
@@ -648,6 +848,77 @@ class trace(contextlib.ContextDecorator):
 
     def __str__(self) -> str:
         return self.format()
+
+
+class _Group:
+    """Running aggregate of one (module, input, weight, served, fallback) group."""
+
+    __slots__ = ("module", "input", "weight", "served", "fallback", "native", "calls", "total_us")
+
+    def __init__(self, module, input, weight, served, fallback, native):
+        self.module, self.input, self.weight = module, input, weight
+        self.served, self.fallback, self.native = served, fallback, native
+        self.calls = 0
+        self.total_us = 0.0
+
+
+def _shape_text(shape, dtype) -> str:
+    return f"{_short_dtype(_dtype_name(dtype))}[{', '.join(map(str, shape))}]"
+
+
+class _LiveAggregates:
+    """The tracer's running aggregates: O(groups) memory whatever the number of calls."""
+
+    MAX_KEPT = 100  # failing / raising calls kept for the summary
+
+    def __init__(self) -> None:
+        self.groups: dict[tuple, _Group] = {}
+        self.fallbacks = 0
+        self.fallback_reasons: dict[str, int] = {}
+        self.verified = 0
+        self.failed = 0
+        self.failures: list[CallRecord] = []
+        self.n_errors = 0
+        self.errors: list[CallRecord] = []
+        self.recorded = 0
+
+    def group(self, module, x, w, served, fallback, tracer, aten_args) -> _Group:
+        key = (module, x.shape, x.dtype, w.shape, w.dtype, served, fallback)
+        g = self.groups.get(key)
+        if g is None:
+            native = tracer._native_backend(aten_args) if tracer.native else None
+            g = self.groups.setdefault(key, _Group(module, _shape_text(x.shape, x.dtype), _shape_text(w.shape, w.dtype),
+                                                   served, fallback, native))
+        return g
+
+    def add_failure(self, record: CallRecord) -> None:
+        self.failed += 1
+        if len(self.failures) < self.MAX_KEPT:
+            self.failures.append(record)
+
+    def add_error(self, record: CallRecord) -> None:
+        self.n_errors += 1
+        if len(self.errors) < self.MAX_KEPT:
+            self.errors.append(record)
+
+    def snapshot(self, timing: bool = True) -> Aggregates:
+        groups = [
+            {"module": g.module, "input": g.input, "weight": g.weight, "backend": g.served, "fallback": g.fallback,
+             "upstream": g.native, "calls": g.calls, "total_us": g.total_us if timing else None}
+            for g in list(self.groups.values())
+        ]
+        return Aggregates(
+            groups=groups,
+            calls=sum(g["calls"] for g in groups),
+            fallbacks=self.fallbacks,
+            fallback_reasons=dict(self.fallback_reasons),
+            verified=self.verified,
+            failed=self.failed,
+            failures=list(self.failures),
+            n_errors=self.n_errors,
+            errors=list(self.errors),
+            recorded=self.recorded,
+        )
 
 
 def _compiled_kernel() -> tuple[str | None, dict | None]:
@@ -663,19 +934,11 @@ def _compiled_kernel() -> tuple[str | None, dict | None]:
     return f"compiled/{last['kernel']}", tuning
 
 
-def _predicted_backend(impl, args: ConvolutionBackwardArgs) -> str:
-    """The backend that will serve the call, for the profiler range opened before it runs."""
-    if impl.is_aten:
-        return impl.name
-    try:
-        chosen = impl.select(args)[0].name
-        if chosen == "compiled":
-            from .ops.convolution_backward import compiled
-
-            return f"compiled/{compiled.planned_kernel(args)}"
-        return chosen
-    except Exception:  # invalid arguments: the backend itself raises the error
-        return impl.name
+def _forget(ids: dict, key: int, ref) -> None:
+    """Weakref callback: drop a dead tensor's ``$n`` entry unless a new tensor took its address."""
+    entry = ids.get(key)
+    if entry is not None and entry[0] is ref:
+        del ids[key]
 
 
 # --- every aten op of the backward pass --------------------------------------------------------
@@ -712,8 +975,7 @@ class _OpRecorder(TorchDispatchMode):
             start_us=(start - t._t0) / 1e3,
             host_us=(end - start) / 1e3 if t.timing else None,
         )
-        with t._lock:
-            t.ops.append(record)
+        t._add_op(record)
         return out
 
 
@@ -781,12 +1043,97 @@ def _environment() -> dict:
 
 
 @dataclasses.dataclass
+class Aggregates:
+    """Counts over every traced call, sampled or not (what :meth:`TraceData.summary` prints).
+
+    ``groups``: one dict per (module, input, weight, backend, fallback) with ``upstream`` (upstream's
+    choice on the group's first call), ``calls`` and ``total_us`` (microseconds; ``None`` without
+    timing). ``failures`` / ``errors``: the first 100 calls beyond tolerance / that raised;
+    ``failed`` / ``n_errors`` count them all. ``recorded``: how many calls have a record."""
+
+    groups: list[dict]
+    calls: int
+    fallbacks: int = 0
+    fallback_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    verified: int = 0
+    failed: int = 0
+    failures: list[CallRecord] = dataclasses.field(default_factory=list)
+    n_errors: int = 0
+    errors: list[CallRecord] = dataclasses.field(default_factory=list)
+    recorded: int = 0
+
+    @classmethod
+    def from_calls(cls, calls: Iterable[CallRecord]) -> Aggregates:
+        builder = _AggregateBuilder()
+        for c in calls:
+            builder.add(c)
+        return builder.result()
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["failures"] = [c.to_json() for c in self.failures]
+        d["errors"] = [c.to_json() for c in self.errors]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Aggregates:
+        d = dict(d)
+        d["failures"] = [CallRecord.from_dict(c) for c in d.get("failures", [])]
+        d["errors"] = [CallRecord.from_dict(c) for c in d.get("errors", [])]
+        return cls(**d)
+
+
+class _AggregateBuilder:
+    """Aggregates from records, one at a time (a streamed file read without keeping its records)."""
+
+    def __init__(self) -> None:
+        self.groups: dict[tuple, dict] = {}
+        self.agg = Aggregates(groups=[], calls=0)
+
+    def add(self, c: CallRecord) -> None:
+        agg = self.agg
+        key = (c.module, _shape(c.args["input"]), _shape(c.args["weight"]), c.served_by, c.fallback)
+        g = self.groups.get(key)
+        if g is None:
+            g = self.groups[key] = {"module": c.module, "input": key[1], "weight": key[2], "backend": c.served_by,
+                                    "fallback": c.fallback, "upstream": c.native_backend, "calls": 0, "total_us": 0.0}
+        g["calls"] += 1
+        g["total_us"] += c.time_us or 0.0
+        agg.calls += 1
+        agg.recorded += 1
+        if c.fallback:
+            agg.fallbacks += 1
+            reason = f"{c.requested}: {c.fallback_reason}"
+            agg.fallback_reasons[reason] = agg.fallback_reasons.get(reason, 0) + 1
+        if c.verify is not None:
+            agg.verified += 1
+            if not (c.verify.ok and c.verify.strides_match):
+                agg.failed += 1
+                if len(agg.failures) < _LiveAggregates.MAX_KEPT:
+                    agg.failures.append(c)
+        if c.error is not None:
+            agg.n_errors += 1
+            if len(agg.errors) < _LiveAggregates.MAX_KEPT:
+                agg.errors.append(c)
+
+    def result(self) -> Aggregates:
+        self.agg.groups = list(self.groups.values())
+        return self.agg
+
+
+@dataclasses.dataclass
 class TraceData:
-    """A finished trace, in memory or loaded back with :func:`load`."""
+    """A finished trace, in memory or loaded back with :func:`load`.
+
+    ``aggregates`` count every traced call (``None``: computed from ``calls``); ``complete`` is
+    False for a streamed file without its summary footer (the traced process was killed), whose
+    aggregates are then those of its records."""
 
     calls: list[CallRecord]
     ops: list[OpRecord] = dataclasses.field(default_factory=list)
     environment: dict = dataclasses.field(default_factory=dict)
+    aggregates: Aggregates | None = None
+    complete: bool = True
 
     def lines(self, *, times: bool = True) -> list[str]:
         """Calls and ops in the order they ran (by start time)."""
@@ -800,14 +1147,19 @@ class TraceData:
                 out.append(format_op(e, times=times))
         return out
 
+    def _aggregates(self) -> Aggregates:
+        return self.aggregates if self.aggregates is not None else Aggregates.from_calls(self.calls)
+
     def failures(self) -> list[CallRecord]:
         """Calls whose verification failed (beyond tolerance, wrong shape/dtype or strides)."""
+        if self.aggregates is not None:
+            return list(self.aggregates.failures)
         return [c for c in self.calls if c.verify is not None and not (c.verify.ok and c.verify.strides_match)]
 
     def summary(self, *, times: bool = True) -> str:
         """A table of calls grouped by module, input/weight shape and backend, with counts and total
         time (microseconds), then fallback reasons and verification failures."""
-        return _summary(self, times=times)
+        return _summary(self._aggregates(), times=times, complete=self.complete)
 
     def to_dict(self) -> dict:
         return {
@@ -816,17 +1168,19 @@ class TraceData:
             "environment": self.environment,
             "calls": [dataclasses.asdict(c) for c in self.calls],
             "ops": [dataclasses.asdict(o) for o in self.ops],
+            **({"aggregates": self.aggregates.to_dict()} if self.aggregates is not None else {}),
         }
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write JSON (``format``, ``version``, ``environment``, ``calls``, ``ops``)."""
+        """Write JSON (``format``, ``version``, ``environment``, ``calls``, ``ops``, ``aggregates``)."""
         with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1, default=str)
+            json.dump(self.to_dict(), f, indent=1, default=_encode_default)
             f.write("\n")
 
     def chrome_trace(self) -> dict:
         """The Chrome trace event format (``ph: "X"`` complete events, ``ts``/``dur`` in
-        microseconds of host time), which Perfetto and ``chrome://tracing`` open."""
+        microseconds of host time), which Perfetto and ``chrome://tracing`` open. Only recorded
+        calls appear."""
         pid = self.environment.get("pid", 0)
         events = []
         threads = {}
@@ -855,6 +1209,7 @@ class TraceData:
                         "weight": str(c.args["weight"]),
                         "verify": dataclasses.asdict(c.verify) if c.verify else None,
                         "error": c.error,
+                        "inner_calls": c.inner_calls,
                     },
                 }
             )
@@ -887,21 +1242,42 @@ class TraceData:
             raise ValueError(f"not an {FORMAT} file (no \"format\": \"{FORMAT}\" field)")
         if d.get("version") != FORMAT_VERSION:
             raise ValueError(f"{FORMAT} version {d.get('version')!r} is not supported (expected {FORMAT_VERSION})")
+        aggregates = d.get("aggregates")
         return cls(
             [CallRecord.from_dict(c) for c in d["calls"]],
             [OpRecord.from_dict(o) for o in d.get("ops", [])],
             d.get("environment", {}),
+            Aggregates.from_dict(aggregates) if aggregates is not None else None,
         )
 
 
-def load(path: str | os.PathLike) -> TraceData:
-    """Read a trace written by :meth:`trace.save`.
+def load(path: str | os.PathLike, *, records: bool = True) -> TraceData:
+    """Read a trace: the JSON lines ``trace(path)`` streams (version 2), or the JSON document of
+    :meth:`trace.save` (version 1).
+
+    A streamed file whose process was killed has no summary footer (``complete`` is False) and may
+    end in a partial line, which is ignored; the aggregates are then computed from its records.
+
+    Args:
+        records: keep the call and op records (``False``: only the aggregates, in memory bounded by
+            the number of groups whatever the file's length).
 
     Raises:
         OSError: the file cannot be read.
         ValueError: it is not valid JSON or not an aten_override trace.
     """
     with open(path) as f:
+        first = f.readline()
+        try:
+            header = json.loads(first)
+        except json.JSONDecodeError:
+            header = None
+        if isinstance(header, dict) and header.get("format") == FORMAT and header.get("version") == STREAM_VERSION:
+            try:
+                return _load_stream(f, header, records)
+            except (KeyError, TypeError) as e:
+                raise ValueError(f"malformed {FORMAT} file: {type(e).__name__}: {e}") from None
+        f.seek(0)
         try:
             d = json.load(f)
         except json.JSONDecodeError as e:
@@ -910,6 +1286,32 @@ def load(path: str | os.PathLike) -> TraceData:
         return TraceData.from_dict(d)
     except (KeyError, TypeError) as e:
         raise ValueError(f"malformed {FORMAT} file: {type(e).__name__}: {e}") from None
+
+
+def _load_stream(f, header: dict, records: bool) -> TraceData:
+    calls: list[CallRecord] = []
+    ops: list[OpRecord] = []
+    builder = _AggregateBuilder()
+    footer = None
+    for n, line in enumerate(f, start=2):
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            if not line.endswith("\n"):  # the last line of a killed process: partial
+                break
+            raise ValueError(f"not an {FORMAT} file: line {n}: {e}") from None
+        kind = item.get("type")
+        if kind == "call":
+            call = CallRecord.from_dict(item)
+            builder.add(call)
+            if records:
+                calls.append(call)
+        elif kind == "op":
+            if records:
+                ops.append(OpRecord.from_dict(item))
+        elif kind == "summary":
+            footer = Aggregates.from_dict(item["aggregates"])
+    return TraceData(calls, ops, header.get("environment", {}), footer or builder.result(), complete=footer is not None)
 
 
 def _shape(info) -> str:
@@ -926,44 +1328,39 @@ def _table(header: Sequence[str], rows: list[Sequence[str]], right: set[int]) ->
     return [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)]
 
 
-def _summary(data: TraceData, *, times: bool) -> str:
-    groups: dict[tuple, list[CallRecord]] = {}
-    for c in data.calls:
-        served = c.served_by + (" (fallback)" if c.fallback else "")
-        key = (c.module or "<no module>", _shape(c.args["input"]), _shape(c.args["weight"]), served, c.native_backend or "")
-        groups.setdefault(key, []).append(c)
+def _summary(agg: Aggregates, *, times: bool, complete: bool = True) -> str:
     rows = []
-    for key, calls in groups.items():
-        row = [*key, str(len(calls))]
+    for g in agg.groups:
+        served = g["backend"] + (" (fallback)" if g["fallback"] else "")
+        row = [g["module"] or "<no module>", g["input"], g["weight"], served, g["upstream"] or "", str(g["calls"])]
+        total = g["total_us"] or 0.0
         if times:
-            total = sum(c.time_us or 0.0 for c in calls)
-            row += [f"{total:.1f}", f"{total / len(calls):.1f}"]
-        rows.append((row, sum(c.time_us or 0.0 for c in calls) if times else 0.0))
+            row += [f"{total:.1f}", f"{total / g['calls']:.1f}" if g["calls"] else "0.0"]
+        rows.append((row, total if times else 0.0))
     rows = [r for r, _ in sorted(rows, key=lambda r: -r[1])] if times else [r for r, _ in rows]
     header = ["module", "input", "weight", "backend", "upstream", "calls"] + (["total_us", "mean_us"] if times else [])
-    n_fallback = sum(c.fallback for c in data.calls)
-    lines = [f"aten::convolution_backward: {len(data.calls)} calls, {n_fallback} fallbacks"]
+    lines = [f"aten::convolution_backward: {agg.calls} calls, {agg.fallbacks} fallbacks"]
     lines += _table(header, rows, right={5, 6, 7})
-    reasons: dict[str, int] = {}
-    for c in data.calls:
-        if c.fallback:
-            key = f"{c.requested}: {c.fallback_reason}"
-            reasons[key] = reasons.get(key, 0) + 1
-    if reasons:
+    if agg.recorded < agg.calls:
+        lines.append(f"records: {agg.recorded} of {agg.calls} calls (sampled; every call is counted above)")
+    if not complete:
+        lines.append("no summary footer: the traced process ended before writing it; counts are those of its records")
+    if agg.fallback_reasons:
         lines.append("fallbacks:")
-        lines += [f"  {n} x {r}" for r, n in reasons.items()]
-    verified = [c for c in data.calls if c.verify is not None]
-    if verified:
-        failures = data.failures()
-        lines.append(f"verify: {len(verified) - len(failures)}/{len(verified)} calls within tolerance")
-        for c in failures:
+        lines += [f"  {n} x {r}" for r, n in agg.fallback_reasons.items()]
+    if agg.verified:
+        lines.append(f"verify: {agg.verified - agg.failed}/{agg.verified} calls within tolerance")
+        for c in agg.failures:
             v = c.verify
             lines.append(
                 f"  MISMATCH call {c.id} {c.module or '<no module>'} [{c.backend}] (rtol={v.rtol:g}, atol={v.atol:g}): "
                 + "; ".join(v.mismatches)
             )
-    errors = [c for c in data.calls if c.error is not None]
-    if errors:
+        if agg.failed > len(agg.failures):
+            lines.append(f"  ... and {agg.failed - len(agg.failures)} more")
+    if agg.n_errors:
         lines.append("errors:")
-        lines += [f"  call {c.id} {c.module or '<no module>'} [{c.backend}]: {c.error}" for c in errors]
+        lines += [f"  call {c.id} {c.module or '<no module>'} [{c.backend}]: {c.error}" for c in agg.errors]
+        if agg.n_errors > len(agg.errors):
+            lines.append(f"  ... and {agg.n_errors - len(agg.errors)} more")
     return "\n".join(lines)

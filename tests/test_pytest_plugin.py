@@ -74,3 +74,30 @@ def test_unknown_backend_is_a_usage_error(tmp_path):
     result = _pytest(tmp_path, "--aten-override=nope")
     assert result.returncode == 4  # pytest's usage error
     assert "--aten-override=nope: aten_override: unknown backend 'nope'" in result.stderr
+
+
+FROZEN_TEST = textwrap.dedent(
+    """
+    import torch
+
+    def test_frozen_weights():
+        model = torch.nn.Conv2d(3, 4, 3)
+        model.weight.requires_grad_(False)  # output_mask [False, False, True]: oneDNN returns a grad_weight anyway
+        model(torch.randn(2, 3, 8, 8)).sum().backward()
+    """
+)
+
+
+def test_pass_through_backend_fails_the_plugin_saying_why(tmp_path):
+    """Under enable(fn) the masked grad_weight is dropped with a warning; the plugin, a test bed,
+    keeps failing the backend that returns it, with the reason."""
+    (tmp_path / "test_frozen.py").write_text(FROZEN_TEST)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", *_LOAD_PLUGIN, "-p", "no:cacheprovider",
+         "--aten-override=aten_override.testing.example_backends:pass_through", str(tmp_path / "test_frozen.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "grad_weight must be None when output_mask[1] is False" in result.stdout
+    assert "the test bed fails it" in result.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import textwrap
 import threading
 
 import expecttest
@@ -15,6 +16,8 @@ from torch.nn.modules import module as nn_module
 
 import aten_override
 from aten_override import _registration, tracing
+
+from .backend_params import run_python
 
 NO_CUDA = "no CUDA device in this process"
 OP = "aten::convolution_backward"
@@ -453,3 +456,177 @@ def test_cuda_event_timing():
     (call,) = t.calls
     assert call.backend == "python" and call.timer == "cuda_event" and call.time_us > 0
     assert call.args["input"].device == "cuda:0" and call.verify.ok
+
+
+# --- long runs (issue 14): bounded memory, streaming, sampling, aggregates ----------------------
+
+
+def _direct_call(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, 2, 4, generator=g), torch.randn(1, 2, 6, generator=g), torch.randn(2, 2, 3, generator=g),
+            [2], [1], [0], [1], False, [0], 1, [True, True, True])
+
+
+_OP = torch.ops.aten.convolution_backward.default
+
+
+def test_ring_keeps_the_last_records_and_the_summary_counts_every_call():
+    args = _direct_call()
+    with aten_override.trace(keep=3, log=False) as t:
+        for _ in range(10):
+            _OP(*args)
+    assert [c.id for c in t.calls] == [8, 9, 10]
+    summary = t.summary(times=False)
+    assert summary.splitlines()[0] == "aten::convolution_backward: 10 calls, 0 fallbacks"
+    assert summary.splitlines()[3].split()[-1] == "10"
+    assert "records:" not in summary  # every call was recorded; the ring kept the last 3
+
+
+@pytest.mark.parametrize(
+    "options, recorded",
+    [({"first": 2}, [1, 2]), ({"every": 3}, [1, 4, 7]), ({"every": 2, "first": 4}, [1, 3]), ({"aggregate_only": True}, [])],
+    ids=["first=2", "every=3", "every=2,first=4", "aggregate_only"],
+)
+def test_sampling_records_per_group_and_counts_all(options, recorded):
+    a, b = _direct_call(0), _direct_call(1)
+    b = (b[0], b[1], b[2].double(), *b[3:])  # another group: weight dtype
+    b = (b[0].double(), b[1].double(), *b[2:])
+    with aten_override.trace(log=False, **options) as t:
+        for _ in range(8):
+            _OP(*a)
+            _OP(*b)
+    # ids number every call: group a's n-th call is 2n - 1, group b's 2n
+    assert [c.id for c in t.calls] == sorted([2 * n - 1 for n in recorded] + [2 * n for n in recorded])
+    summary = t.summary(times=False)
+    assert summary.startswith("aten::convolution_backward: 16 calls, 0 fallbacks")
+    assert [line.split()[-1] for line in summary.splitlines()[3:5]] == ["8", "8"]
+    assert f"records: {2 * len(recorded)} of 16 calls" in summary
+
+
+def test_aggregate_only_still_keeps_verification_failures():
+    model, x = make_net()
+    with aten_override.enable(wrong_backend), aten_override.trace(verify=True, aggregate_only=True, log=False) as t:
+        model(x).sum().backward()
+        model(x).sum().backward()
+    assert len(t.calls) == 8 and len(t.failures()) == 8  # failing calls are always recorded
+    summary = t.summary(times=False)
+    assert "aten::convolution_backward: 8 calls, 0 fallbacks" in summary
+    assert "verify: 0/8 calls within tolerance" in summary
+
+
+def test_streamed_file_loads_with_and_without_records(tmp_path):
+    path = tmp_path / "t.jsonl"
+    model, x = make_net()
+    with aten_override.enable("python"), aten_override.trace(path, verify=True, ops=True, keep=2, log=False) as t:
+        model(x).sum().backward()
+    lines = path.read_text().splitlines()
+    header, footer = json.loads(lines[0]), json.loads(lines[-1])
+    assert (header["format"], header["version"]) == ("aten_override.trace", tracing.STREAM_VERSION)
+    assert footer["type"] == "summary" and footer["aggregates"]["calls"] == 4
+    assert sum(json.loads(line)["type"] == "call" for line in lines[1:-1]) == 4
+    assert all(len(line) < 4000 for line in lines)
+    full = tracing.load(path)
+    assert full.complete and len(full.calls) == 4 and full.ops  # the file has all; the ring only 2
+    assert len(t.calls) == 2 and full.calls[-2:] == t.calls  # every field, tensors included, round-trips
+    assert full.summary() == t.summary()
+    bare = tracing.load(path, records=False)
+    assert bare.calls == [] and bare.summary() == t.summary()
+    assert full.chrome_trace()["traceEvents"]
+
+
+def test_file_without_footer_after_a_kill_is_valid(tmp_path):
+    """SIGKILL (or a crash in native code) leaves the records written so far, whole lines, and no
+    footer; load() recomputes the summary from them and says so. A partial last line is ignored."""
+    path = tmp_path / "t.jsonl"
+    code = textwrap.dedent(f"""
+        import os, signal, torch, aten_override
+        conv = torch.nn.Conv2d(1, 2, 3)
+        t = aten_override.trace({str(path)!r}, log=False)
+        t.__enter__()
+        for _ in range(3):
+            conv(torch.randn(1, 1, 5, 5)).sum().backward()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = run_python(["-c", code])
+    assert proc.returncode == -9, proc.stderr
+    with open(path, "a") as f:
+        f.write('{"type": "call", "id": 4, "thre')  # a write cut short
+    data = tracing.load(path)
+    assert not data.complete and [c.module for c in data.calls] == ["Conv2d"] * 3
+    summary = data.summary(times=False)
+    assert summary.startswith("aten::convolution_backward: 3 calls")
+    assert "no summary footer" in summary
+
+
+def test_footer_written_at_interpreter_exit(tmp_path):
+    path = tmp_path / "t.jsonl"
+    code = textwrap.dedent(f"""
+        import sys, torch, aten_override
+        aten_override.trace({str(path)!r}, log=False).__enter__()  # never left
+        torch.nn.Conv1d(1, 1, 3)(torch.randn(1, 1, 5)).sum().backward()
+        sys.exit(3)
+    """)
+    proc = run_python(["-c", code])
+    assert proc.returncode == 3, proc.stderr
+    data = tracing.load(path)
+    assert data.complete and data.aggregates.calls == 1
+
+
+def test_memory_is_bounded_whatever_the_run_length():
+    """Issue 14: ~4.2 KB per call were kept (20,000 tiny calls: 80 MiB). Now the ring (keep) and
+    the $n table (live tensors only) bound it: 6,000 calls after a warm-up grow RSS by a few pages."""
+    from tests.robustness.test_leaks import PAGE, rss_bytes
+
+    args = _direct_call()
+    with aten_override.trace(keep=100, log=False, native=False) as t:
+        for _ in range(2_000):
+            _OP(*args)
+        rss0 = rss_bytes()
+        for _ in range(6_000):
+            _OP(*args)
+        rss1 = rss_bytes()
+        assert len(t._ids) < 20  # the 3 arguments and the last call's outputs, not every output ever
+    assert t.data().aggregates.calls == 8_000 and len(t.calls) == 100
+    assert rss1 - rss0 <= 256 * PAGE, f"RSS grew {(rss1 - rss0) / 1024:.0f} KiB over 6,000 traced calls"
+
+
+def test_pass_through_backend_is_one_call_with_an_inner_call():
+    """Issue 14: the backend's own call of the op was a second call and a fallback in the trace
+    (and verify reported 1/2 calls)."""
+
+    def pass_through(*args):
+        return torch.ops.aten.convolution_backward.default(*args)
+
+    x = torch.randn(1, 1, 5, 5, dtype=torch.float64, requires_grad=True)
+    conv = nn.Conv2d(1, 2, 3).double()
+    with aten_override.enable(pass_through), aten_override.trace(verify=True, log=False) as t:
+        conv(x).sum().backward()
+    (call,) = t.calls
+    assert (call.backend, call.fallback, call.inner_calls) == ("pass_through", False, 1)
+    assert call.verify.ok
+    summary = t.summary(times=False)
+    assert summary.startswith("aten::convolution_backward: 1 calls, 0 fallbacks")
+    assert "verify: 1/1 calls within tolerance" in summary
+    stats = aten_override.stats()
+    assert stats["pass_through"] == 1 and stats["inner_calls"] == 1 and "fallback" not in stats
+
+
+def test_profiler_ranges_without_a_trace():
+    """Ranges appear whenever a profiler records and a call goes through our Python kernel, not
+    only under trace()."""
+    model, x = make_net()
+    for backend, expected in (("python", "python"), ("aten", "aten")):
+        with aten_override.enable(backend):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                model(x).sum().backward()
+        names = [e.name for e in prof.events() if e.name.startswith("aten_override::")]
+        assert names == [f"aten_override::convolution_backward[{expected}]"] * 4
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x).sum().backward()  # nothing enabled: nothing of ours
+    assert not [e.name for e in prof.events() if e.name.startswith("aten_override::")]
+
+
+def test_sampling_options_are_checked():
+    for bad in ({"every": 0}, {"first": -1}, {"keep": 0}):
+        with pytest.raises(ValueError, match="must be a positive integer"):
+            aten_override.trace(**bad)

@@ -3,21 +3,33 @@
     python -m aten_override run [--backend B] [--autotune on|off|FILE] [--trace FILE] [--verify] script.py ARGS...
     python -m aten_override run [--backend B] [--autotune on|off|FILE] [--trace FILE] [--verify] -m package.module ARGS...
 
+``--backend`` takes what ``test --backend`` takes: a backend name or ``module:function`` (a
+function with the aten signature; under ``run`` an output it returns where ``output_mask`` is
+False is dropped with a warning, as under ``enable(function)``).
+
 The program runs in this process through :mod:`runpy`, as ``python script.py`` / ``python -m``
 would run it: ``sys.argv`` is ``[script, *ARGS]`` (``-m``: the module's file, as Python sets it),
 ``sys.path[0]`` is the script's directory (``-m``: the current directory), and the exit code is the
-program's (``sys.exit(n)``; 1 for an uncaught exception). The trace is saved even if the program
-raises.
+program's (``sys.exit(n)``; 1 for an uncaught exception; 128 + the signal's number for SIGINT
+(Ctrl-C: 130) and SIGTERM (143), as a shell reports a process the signal ended). ``--trace FILE``
+streams records to FILE as JSON lines while the program runs (flushed line by line) and ends it
+with a summary footer, also when the program raises or gets SIGINT/SIGTERM; a process killed
+outright (SIGKILL, a crash in native code) leaves a valid file without the footer.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import runpy
+import signal
 import sys
+import threading
 import traceback
+
+from . import positive_int
 
 HELP = "run a Python script or module (-m) with the override enabled, optionally tracing every call"
 
@@ -28,8 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend",
         default=Backend.AUTO.value,
-        choices=[b.value for b in Backend],
-        help="backend serving aten::convolution_backward (default: %(default)s)",
+        metavar="B",
+        help="backend serving aten::convolution_backward: "
+        + ", ".join(b.value for b in Backend)
+        + ", or module:function (a function with the aten signature) (default: %(default)s)",
     )
     parser.add_argument(
         "--autotune",
@@ -38,7 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "table (off), or on with a results file read at start and written at exit (default: "
         "$ATEN_OVERRIDE_AUTOTUNE, else on)",
     )
-    parser.add_argument("--trace", metavar="FILE", help="record every call and save the trace as JSON to FILE")
+    parser.add_argument(
+        "--trace", metavar="FILE",
+        help="record every call, streamed to FILE as JSON lines while the program runs (read it with trace-summary)",
+    )
+    parser.add_argument("--trace-every", type=positive_int, metavar="N", default=1,
+                        help="record every N-th call of each (module, shapes, backend) group (all are counted)")
+    parser.add_argument("--trace-first", type=positive_int, metavar="N",
+                        help="record only the first N calls of each group (all are counted)")
+    parser.add_argument("--aggregate-only", action="store_true",
+                        help="record no call, keep the per-group counts and times only (cheapest; implies tracing)")
     parser.add_argument(
         "--chrome-trace", metavar="FILE", help="record every call and save a Chrome trace (Perfetto) to FILE"
     )
@@ -66,12 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check(args) -> None:
     """Turn bad command lines into argparse errors (exit code 2) before anything runs."""
-    from ..backends import implementation
+    from ..testing.selection import backend_from_spec
 
     parser = args._parser
     try:
-        implementation(args.backend)
-    except (ValueError, RuntimeError) as e:
+        args.impl = backend_from_spec(args.backend, strict=False)
+    except (ValueError, RuntimeError, ImportError) as e:
         parser.error(f"--backend {args.backend}: {e}")
     if args.module is not None and args.program:
         parser.error("give either a script or -m MODULE, not both")
@@ -99,6 +122,33 @@ def _check(args) -> None:
                 parser.error(f"--{option.replace('_', '-')} {path}: directory {directory!r} does not exist")
 
 
+class Terminated(BaseException):
+    """Raised in the program's main thread by SIGTERM while ``run`` runs it (a ``BaseException``, as
+    ``KeyboardInterrupt`` is, so the program's ``except Exception`` does not swallow it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"terminated by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _sigterm_as_exception():
+    """While the program runs, SIGTERM unwinds it like Ctrl-C does (``finally`` blocks run, the trace
+    gets its footer). Only the main thread can set handlers; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _run_program(args) -> int:
     """Run the program as ``python script.py`` / ``python -m`` would; returns its exit code."""
     saved_argv = sys.argv[:]
@@ -116,6 +166,12 @@ def _run_program(args) -> int:
             runpy.run_path(args.program[0], run_name="__main__")
     except SystemExit as e:
         return _exit_code(e.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return 128 + signal.SIGINT
+    except Terminated as e:
+        print(f"aten_override run: the program was {e}", file=sys.stderr)
+        return 128 + e.signum
     except BaseException:
         traceback.print_exc()
         return 1
@@ -140,29 +196,36 @@ def main(args) -> int:
     from ..tracing import trace
 
     _check(args)
-    tracing = bool(args.trace or args.chrome_trace or args.verify or args.trace_ops or args.summary)
-    tracer = trace(verify=args.verify, ops=args.trace_ops, log=False) if tracing else None
+    tracing = bool(args.trace or args.chrome_trace or args.verify or args.trace_ops or args.summary or args.aggregate_only)
+    tracer = None
+    if tracing:
+        tracer = trace(args.trace, verify=args.verify, ops=args.trace_ops, log=False, every=args.trace_every,
+                       first=args.trace_first, aggregate_only=args.aggregate_only)
     code = 1
-    try:
-        with enable(args.backend, autotune=args.autotune):
-            if tracer is None:
-                code = _run_program(args)
-            else:
-                with tracer:
+    with _sigterm_as_exception():
+        try:
+            with enable(args.impl, autotune=args.autotune):
+                if tracer is None:
                     code = _run_program(args)
-    finally:
-        if tracer is not None:
-            _report(args, tracer)
+                else:
+                    with tracer:
+                        code = _run_program(args)
+        finally:
+            if tracer is not None:
+                _report(args, tracer)
     return code
 
 
 def _report(args, tracer) -> None:
+    from ..tracing import load
+
     data = tracer.data()
+    agg = data.aggregates
     if args.trace:
-        data.save(args.trace)
-        print(f"aten_override: {len(data.calls)} calls traced to {args.trace}", file=sys.stderr)
+        print(f"aten_override: {agg.calls} calls traced to {args.trace} ({agg.recorded} recorded)", file=sys.stderr)
     if args.chrome_trace:
-        data.save_chrome_trace(args.chrome_trace)
+        # the streamed file has every record; without one, the tracer's last `keep` records
+        (load(args.trace) if args.trace else data).save_chrome_trace(args.chrome_trace)
         print(f"aten_override: Chrome trace written to {args.chrome_trace}", file=sys.stderr)
-    if args.summary or args.verify:
+    if args.summary or args.verify or args.aggregate_only:
         print(data.summary(), file=sys.stderr)

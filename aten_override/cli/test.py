@@ -57,8 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class _Summary:
     """pytest plugin collecting one outcome per test (not per subtest) and skip reasons."""
 
-    def __init__(self, backend_names: list[str]):
+    def __init__(self, backend_names: list[str], rerun: dict[str, str] | None = None):
         self.tokens = {name: re.sub(r"\W", "_", name) for name in backend_names}
+        # backend name -> the command that reruns one of its tests (append the test's name)
+        self.rerun = rerun or {}
         self.results: dict[str, tuple[str, str]] = {}  # nodeid -> (backend, passed/failed/skipped)
         self.skip_reasons: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.failed_subtests: dict[str, list[str]] = collections.defaultdict(list)
@@ -146,9 +148,31 @@ class _Summary:
                 lines.append(f"  {name}: FAILED {test}")
             if len(failed) > 20:
                 lines.append(f"  {name}: ... and {len(failed) - 20} more failures")
+            if failed and name in self.rerun:
+                lines.append(f"  rerun one: {self.rerun[name]} -k {failed[0].split(' ')[0]}")
         for nodeid in self.collection_errors:
             lines.append(f"ERROR collecting {nodeid} (see above)")
         return "\n".join(lines)
+
+
+def _rerun_commands(args, impls) -> dict[str, str]:
+    """Per backend, a command users can run to repeat one failed test (replacing PyTorch's "run
+    `python test_fuzz.py …` from the base repo dir", which names a file of our installed package)."""
+    import shlex
+
+    options = []
+    if args.device:
+        options += ["--device", args.device]
+    if args.fuzz is not None:
+        options += ["--fuzz", str(args.fuzz)]
+    if args.seed is not None:
+        options += ["--seed", str(args.seed)]
+    if args.slow:
+        options.append("--slow")
+    return {
+        impl.name: shlex.join(["python", "-m", "aten_override", "test", "--backend", getattr(impl, "spec", impl.name), *options])
+        for impl in impls
+    }
 
 
 def main(args) -> int:
@@ -192,7 +216,7 @@ def main(args) -> int:
         pytest_args.append(f"--hypothesis-seed={args.seed}")
     pytest_args += [a for a in args.pytest_args if a != "--"]
 
-    summary = _Summary([i.name for i in impls])
+    summary = _Summary([i.name for i in impls], rerun=_rerun_commands(args, impls))
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

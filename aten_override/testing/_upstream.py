@@ -110,3 +110,8 @@ ModuleInfo = _lookup("ModuleInfo")
 TrainEvalMode = _lookup("TrainEvalMode")
 floating_types_and = _lookup("floating_types_and")
 make_tensor = torch.testing.make_tensor
+
+# Upstream's TestCase appends "To execute this test, run the following from the base repo dir:
+# python test_fuzz.py ..." to every failure: a command for PyTorch's own checkout that users of this
+# package cannot run. `python -m aten_override test` prints a command they can instead.
+importlib.import_module(_PREFIX + "common_utils").PRINT_REPRO_ON_FAILURE = False

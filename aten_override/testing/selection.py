@@ -4,8 +4,9 @@ The suite runs every backend :func:`aten_override.availability` reports availabl
 original kernel, is the control), or those named in the environment variable
 :data:`BACKENDS_ENV` (comma-separated), which ``python -m aten_override test --backend`` sets.
 A name may be a built-in backend or ``module:function``: a function with the aten signature that
-:class:`aten_override.FunctionBackend` wraps (its arguments are validated before it runs and its
-results are checked).
+:class:`aten_override.FunctionBackend` wraps with ``strict=True`` (its arguments are validated before
+it runs and its results are checked; an output returned where ``output_mask`` is False is an error
+here, not dropped as under ``enable(fn)``).
 
 This module imports only :mod:`aten_override`, so the pytest plugin can use it cheaply.
 """
@@ -25,9 +26,13 @@ FUZZ_ENV = "ATEN_OVERRIDE_FUZZ_EXAMPLES"
 """Examples per fuzz test (``python -m aten_override test --fuzz N``); unset: the CI profile."""
 
 
-def backend_from_spec(spec: str) -> Implementation:
+def backend_from_spec(spec: str, *, strict: bool = True) -> Implementation:
     """The :class:`~aten_override.Implementation` for ``spec``: a built-in backend name
     (``"python"``, ``"aten"``, …) or ``"package.module:function"``.
+
+    ``strict`` (the test bed, the pytest plugin): a function's output returned where ``output_mask``
+    is False fails the call; ``strict=False`` (``python -m aten_override run``) drops it with a
+    warning, as ``enable(function)`` does.
 
     Raises:
         ValueError: ``spec`` is neither a backend name nor ``module:function``, or the module has
@@ -43,7 +48,7 @@ def backend_from_spec(spec: str) -> Implementation:
     fn = getattr(module, function_name, None)
     if not callable(fn):
         raise ValueError(f"aten_override: {spec!r}: module {module_name!r} has no function {function_name!r}")
-    impl = FunctionBackend(fn, name=function_name)
+    impl = FunctionBackend(fn, name=function_name, strict=strict)
     impl.spec = spec  # lets a fuzz reproduction import it
     return impl
 

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -117,7 +118,9 @@ def test_run_errors(capsys, program, tmp_path):
     assert cli_error(capsys, "run", "--trace", tmp_path / "no" / "t.json", program).endswith(
         f"directory '{tmp_path / 'no'}' does not exist"
     )
-    assert "invalid choice: 'fast'" in cli_error(capsys, "run", "--backend", "fast", program)
+    # --backend is validated as test --backend is (backend names and module:function), not by argparse choices
+    assert "--backend fast: aten_override: unknown backend 'fast'" in cli_error(capsys, "run", "--backend", "fast", program)
+    assert "has no function 'nope'" in cli_error(capsys, "run", "--backend", "aten_override.testing.example_backends:nope", program)
 
 
 @pytest.mark.skipif(aten_override.availability()["compiled"] is None, reason="the compiled backend is built")
@@ -169,3 +172,70 @@ verify: 0/2 calls within tolerance
   MISMATCH call 1 Conv2d [off_by_one_percent] (rtol=1e-10, atol=1e-12): grad_weight: max_abs=0.0296 max_rel=0.01 beyond tolerance
   MISMATCH call 2 Conv2d [off_by_one_percent] (rtol=1e-10, atol=1e-12): grad_weight: max_abs=0.0296 max_rel=0.01 beyond tolerance
 """)
+
+
+LOOP = textwrap.dedent(
+    """
+    import sys, torch
+    conv = torch.nn.Conv2d(1, 2, 3)
+    x = torch.randn(1, 1, 6, 6)
+    step = 0
+    while True:
+        conv(x).sum().backward()
+        step += 1
+        if step == 3:
+            print("running", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_signal_gives_its_exit_status_and_a_complete_trace(tmp_path, signum, status):
+    """Issue 14: after SIGTERM no trace file was written, and Ctrl-C under run exited 1."""
+    (tmp_path / "loop.py").write_text(LOOP)
+    trace_file = tmp_path / "t.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aten_override", "run", "--backend", "python", "--trace", str(trace_file), "loop.py"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout.readline() == "running\n"
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == status, err
+    data = tracing.load(trace_file)
+    assert data.complete and data.aggregates.calls >= 3
+    assert {c.backend for c in data.calls} == {"python"}
+    assert f"calls traced to {trace_file}" in err
+
+
+def test_run_accepts_module_function_backends(program, tmp_path):
+    trace_file = tmp_path / "t.jsonl"
+    proc = run_cli("run", "--backend", "aten_override.testing.example_backends:pass_through", "--trace", trace_file,
+                   program, "0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    calls = tracing.load(trace_file).calls
+    assert [(c.backend, c.fallback, c.inner_calls) for c in calls] == [("pass_through", False, 1)] * 2
+
+
+def test_trace_summary_into_a_closed_pipe_is_quiet(tmp_path):
+    """Issue 14: `trace-summary --calls FILE | head` printed a BrokenPipeError traceback."""
+    path = tmp_path / "t.jsonl"
+    args = (torch.randn(1, 2, 4), torch.randn(1, 2, 6), torch.randn(2, 2, 3), [2], [1], [0], [1], False, [0], 1,
+            [True, True, True])
+    with aten_override.trace(path, log=False):
+        for _ in range(400):  # ~250 KB of --calls output: more than a pipe holds
+            torch.ops.aten.convolution_backward.default(*args)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-m", "aten_override", "trace-summary", "--calls", str(path)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what head does after its lines
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert first.startswith(b"call 1  <no module>  backend=aten")
+    assert err == ""
+    assert proc.returncode == 1

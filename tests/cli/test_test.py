@@ -65,3 +65,18 @@ def test_correct_user_backend_passes(tmp_path):
 def test_bad_backend_is_a_usage_error(backend, message, capsys):
     assert main(["test", "--backend", backend]) == 2
     assert message in capsys.readouterr().out
+
+
+def test_pass_through_backend_fails_the_test_bed_saying_why(tmp_path):
+    """Issue 14: the backend users write first returns what the original kernel returns, a
+    grad_weight where output_mask[1] is False on oneDNN. enable() drops it with a warning; the test
+    bed keeps failing it, with the reason, and ends with a command users can run (not PyTorch's
+    "run `python test_fuzz.py …` from the base repo dir")."""
+    spec = "aten_override.testing.example_backends:pass_through"
+    result = _run_cli("--backend", spec, "--fuzz", "20", "--seed", "0", cwd=tmp_path)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out[-3000:]
+    assert "grad_weight must be None when output_mask[1] is False" in out
+    assert "the test bed fails it" in out
+    assert "base repo dir" not in out and "python test_fuzz.py" not in out
+    assert f"rerun one: python -m aten_override test --backend {spec} --fuzz 20 --seed 0 -k test_matches_native_pass_through" in out

@@ -120,7 +120,12 @@ def main() -> None:
     stats = aten_override.stats()
     if args.mode == "pinned":
         aten_override.uninstall()
+    # Fast toggling leaves the registration lingering idle (calls run the original kernel: "after"
+    # below checks that); release() destroys it, so the dispatcher table can be compared too.
+    after = "native" if all(torch.equal(a, b) for a, b in zip(_backward(*problem), native)) else "changed"
+    lingered = aten_override.release()
     print(json.dumps({
+        "lingered": lingered,
         "differs": differs,
         "counts": counts,
         "toggler": toggler,
@@ -129,7 +134,7 @@ def main() -> None:
         "registered": aten_override.is_registered(),
         "active": aten_override.active_backend(),
         "dump_mentions_us": aten_override._registration.__file__ in torch._C._dispatch_dump("aten::convolution_backward"),
-        "after": "native" if all(torch.equal(a, b) for a, b in zip(_backward(*problem), native)) else "changed",
+        "after": after,
     }))
 
 
