@@ -923,7 +923,7 @@ class _LiveAggregates:
 
 def _compiled_kernel() -> tuple[str | None, dict | None]:
     """The kernel the compiled backend's last call in this thread ran and, if that call tuned its
-    signature, every candidate's median time (microseconds) and why the others could not win."""
+    signature, every candidate's fastest run (microseconds; ``grad_input:<kernel>`` / ``grad_weight:<kernel>`` for each gradient alone) and why the others could not win."""
     from .ops.convolution_backward import compiled
 
     ext = compiled.extension()

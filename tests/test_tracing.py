@@ -612,8 +612,8 @@ def test_pass_through_backend_is_one_call_with_an_inner_call():
 
 
 def test_profiler_ranges_without_a_trace():
-    """Ranges appear whenever a profiler records and a call goes through our Python kernel, not
-    only under trace()."""
+    """Ranges appear whenever a profiler records, not only under trace(): from our Python kernel,
+    and from the compiled backend's C++ kernel when it is registered directly."""
     model, x = make_net()
     for backend, expected in (("python", "python"), ("aten", "aten")):
         with aten_override.enable(backend):
@@ -621,6 +621,13 @@ def test_profiler_ranges_without_a_trace():
                 model(x).sum().backward()
         names = [e.name for e in prof.events() if e.name.startswith("aten_override::")]
         assert names == [f"aten_override::convolution_backward[{expected}]"] * 4
+    if aten_override.availability()["compiled"] is None:
+        # the C++ kernel registered directly (no trace, no install): it opens the range itself
+        with aten_override.enable("compiled", autotune=False):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                model(x).sum().backward()
+        names = [e.name for e in prof.events() if e.name.startswith("aten_override::")]
+        assert len(names) == 4 and all(n.startswith("aten_override::convolution_backward[compiled/") for n in names), names
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         model(x).sum().backward()  # nothing enabled: nothing of ours
     assert not [e.name for e in prof.events() if e.name.startswith("aten_override::")]

@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <atomic>
@@ -1387,6 +1388,8 @@ void record_fallback(const std::string& reason) {
   ++c.fallback_reasons[reason];
 }
 
+std::string planned_kernel_name(const Args& a);
+
 Result registered_kernel(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     at::OptionalSymIntArrayRef bias_sizes, c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
@@ -1402,6 +1405,14 @@ Result registered_kernel(
     return call_original(a);
   }
   counters().served.fetch_add(1, std::memory_order_relaxed);
+  // While a profiler records, the call is a range named as the Python path names it (that path, used
+  // under trace() and install(), opens its own); otherwise this costs one check of a flag.
+  std::string range_name;
+  at::RecordFunction range(at::RecordScope::USER_SCOPE);
+  if (range.isActive()) {
+    range_name = "aten_override::convolution_backward[compiled/" + planned_kernel_name(a) + "]";
+    range.before(std::string_view(range_name));
+  }
   return compiled_backward(a);
 }
 
