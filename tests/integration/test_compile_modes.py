@@ -304,11 +304,17 @@ def test_enable_installs_and_removes_the_pass():
     assert not passes()
 
 
+def _assert_prints_ok(code: str) -> None:
+    """Runs ``code`` in a fresh interpreter (nothing imported yet); it must print ``ok``."""
+    from ..backend_params import run_python
+
+    r = run_python(["-c", code])
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
 def test_pass_added_when_inductor_is_imported_inside_enable():
     """``torch._inductor.config`` imported for the first time inside ``enable`` (``torch.compile``
     does that) gets the pass: a fresh interpreter, since this one has imported it."""
-    from ..backend_params import run_python
-
     code = (
         "import sys, aten_override\n"
         "assert 'torch._inductor.config' not in sys.modules\n"
@@ -320,13 +326,10 @@ def test_pass_added_when_inductor_is_imported_inside_enable():
         "assert not any(type(f).__module__ == 'aten_override.compiled_graphs' for f in sys.meta_path)\n"
         "print('ok')\n"
     )
-    r = run_python(["-c", code])
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    _assert_prints_ok(code)
 
 
 def test_import_hook_removed_when_inductor_never_imported():
-    from ..backend_params import run_python
-
     code = (
         "import sys, aten_override\n"
         "with aten_override.enable('python'):\n"
@@ -335,8 +338,7 @@ def test_import_hook_removed_when_inductor_never_imported():
         "assert 'torch._inductor.config' not in sys.modules\n"
         "print('ok')\n"
     )
-    r = run_python(["-c", code])
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    _assert_prints_ok(code)
 
 
 def test_bypass_reasons_empty_while_the_pass_is_active():
