@@ -654,9 +654,14 @@ void depthwise_lanes_impl(
 }  // namespace
 
 bool depthwise_lanes_fits(const DirectProblem& p, at::ScalarType dtype) {
-  const Plane g = make_plane(p, 1);
+  // make_plane(p, 1)'s size and margin, by arithmetic: this runs on the per-call path (the table's
+  // choice, and a tuned choice's check), where make_plane's tap lists would allocate.
+  int64_t padded[3], size = 1;
+  for (int i = 0; i < 3; ++i) size *= padded[i] = p.in[i] + 2 * p.padding[i];
+  const int64_t margin = ((p.kernel[0] - 1) * p.dilation[0] * padded[1] + (p.kernel[1] - 1) * p.dilation[1]) * padded[2] +
+      (p.kernel[2] - 1) * p.dilation[2];
   const int64_t element = dtype == at::kDouble ? 8 : 4;
-  return (g.margin + 3 * (g.size + 1)) * lanes_of(dtype) * element <= kLanesMaxTileBytes;
+  return (margin + 3 * (size + 1)) * lanes_of(dtype) * element <= kLanesMaxTileBytes;
 }
 
 DepthwiseWalk depthwise_table_walk(const DirectProblem& p, at::ScalarType dtype) {
