@@ -218,9 +218,16 @@ def side(name: str):
     return aten_override.enable("compiled") if name == "compiled" else contextlib.nullcontext()
 
 
+# The step's compute dtype: float32, or bfloat16 under CPU autocast (``--autocast bfloat16``: the
+# convolutions, their backward included, run in bfloat16; the weights and the update stay float32).
+AUTOCAST: torch.dtype | None = None
+
+
 def step(w: Workload, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad(set_to_none=True)
-    w.loss().backward()
+    with torch.autocast("cpu", dtype=AUTOCAST, enabled=AUTOCAST is not None):
+        loss = w.loss()
+    loss.backward()
     opt.step()
 
 
@@ -254,6 +261,7 @@ class Layer:
     served: str = ""
     flops: float = 0.0  # grad_input + grad_weight multiply-adds x 2, summed over the calls
     bytes: float = 0.0  # one pass over each tensor read or written, summed over the calls
+    dtype: torch.dtype = torch.float32  # grad_output's (the roofline's peak is this dtype's)
 
 
 def traced_steps(w: Workload, opt, name: str, steps: int) -> tuple[float, dict[str, Layer]]:
@@ -276,6 +284,7 @@ def traced_steps(w: Workload, opt, name: str, steps: int) -> tuple[float, dict[s
             flops, nbytes = call_cost(call)
             layer.flops += flops
             layer.bytes += nbytes
+            layer.dtype = getattr(torch, call.args["grad_output"].dtype)
         for module, layer in this_step.items():
             if module not in layers or layer.us < layers[module].us:
                 layers[module] = layer
@@ -349,7 +358,7 @@ def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, r
         layer, o = native[module], ours.get(module, Layer(served="-"))
         r = o.us / layer.us if layer.us else float("nan")
         seconds = o.us / 1e6
-        roof = max(o.flops / machine.peak(torch.float32), o.bytes / machine.bandwidth) if seconds else float("nan")
+        roof = max(o.flops / machine.peak(o.dtype), o.bytes / machine.bandwidth) if seconds else float("nan")
         print(
             f"  {_tail(module, 50):50s} {layer.calls:5d} {layer.us / 1e3:9.2f} {layer.served[:10]:10s} "
             f"{o.us / 1e3:11.2f} {o.served[:27]:27s} {r:5.2f} {o.flops / seconds / 1e9 if seconds else 0:7.1f} "
@@ -403,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="timed steps per side per round (default 2; --quick: 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per side before timing")
     p.add_argument("--trace-steps", type=int, help="traced steps per side, the minimum taken (default 2; --quick: 1)")
+    p.add_argument(
+        "--autocast", choices=["bfloat16"],
+        help="run each step's forward under torch.autocast('cpu', dtype=...): the convolutions and their backward in that dtype",
+    )
     p.add_argument("--csv", type=Path, help="also write the summary rows as CSV")
     args = p.parse_args(argv)
     quick = args.quick
@@ -413,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (1 if quick else 2)
     args.trace_steps = args.trace_steps or (1 if quick else 2)
 
+    global AUTOCAST
+    AUTOCAST = getattr(torch, args.autocast) if args.autocast else None
     reason = aten_override.availability().get("compiled")
     if reason:
         raise SystemExit(f"bench_training: the compiled backend is not available: {reason}")
@@ -421,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
         machine = _machine.measure()
         print(_machine.header(machine), flush=True)
+        if AUTOCAST is not None:
+            print(f"steps under torch.autocast('cpu', dtype={AUTOCAST})", flush=True)
         for name in args.models:
             try:
                 w, opt = build(name, args)
