@@ -144,6 +144,7 @@ enum class Kernel : int {
   Upcast,        // native in float32 / float64 (the dead-taps class)
   DepthwisePlane,  // cpu/depthwise.cpp, plane by plane
   DepthwiseLanes,  // cpu/depthwise.cpp, channels in the vector lanes
+  DepthwiseBands,  // cpu/depthwise.cpp, channels in the vector lanes, in bands of rows sized to L2
   Direct,        // cpu/direct.cpp (grouped, one-channel; depthwise on CUDA)
   GroupedLanes,  // cpu/grouped.cpp
   GemmIm2col,    // cpu/gemm.cpp, im2col + GEMM
@@ -152,8 +153,9 @@ enum class Kernel : int {
   Count
 };
 
-constexpr const char* kKernelNames[] = {"native", "zeros", "sum", "upcast", "depthwise-plane", "depthwise-lanes", "direct",
-                                        "grouped-lanes", "gemm-im2col", "gemm-kn2row", "test"};
+constexpr const char* kKernelNames[] = {"native",          "zeros",           "sum",           "upcast",
+                                        "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct",
+                                        "grouped-lanes",   "gemm-im2col",     "gemm-kn2row",   "test"};
 static_assert(sizeof(kKernelNames) / sizeof(kKernelNames[0]) == static_cast<size_t>(Kernel::Count));
 
 
@@ -967,6 +969,7 @@ std::optional<std::string> candidate_unsupported(Kernel k, const Args& a, const 
       if (p.in_per_group != 1 || p.groups == 1) return "not depthwise (groups == C_in > 1)";
       if (!depthwise_lanes_fits(p, dtype)) return "a plane's channels-in-lanes tiles exceed 16 MiB";
       return std::nullopt;
+    case Kernel::DepthwiseBands: return depthwise_bands_unsupported(p, dtype);
     case Kernel::Direct:
       if ((p.groups > 1 && p.in_per_group > 1 && p.in_per_group * p.out_per_group <= kDirectMaxChannelPairs) ||
           (p.groups == 1 && e.c_in == 1)) {
@@ -1030,6 +1033,7 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
     case Kernel::Upcast: return upcast_backward(a, depth_without_full_row(a, e) ? at::kDouble : at::kFloat);
     case Kernel::DepthwisePlane:
     case Kernel::DepthwiseLanes:
+    case Kernel::DepthwiseBands:
     case Kernel::Direct:
     case Kernel::GroupedLanes:
     case Kernel::GemmIm2col:
@@ -1040,6 +1044,7 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
           : k == Kernel::GemmIm2col           ? gemm_backward(a, e, GemmAlgorithm::Im2col)
           : k == Kernel::GemmKn2row           ? gemm_backward(a, e, GemmAlgorithm::Kn2row)
           : k == Kernel::DepthwiseLanes       ? direct_backward(a, e, DepthwiseWalk::Lanes)
+          : k == Kernel::DepthwiseBands       ? direct_backward(a, e, DepthwiseWalk::Bands)
                                               : direct_backward(a, e, DepthwiseWalk::Plane);
       if (cpu && a.output_mask[1] && !all_finite(std::get<1>(result))) return std::nullopt;
       return result;

@@ -5,6 +5,8 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
+#include <string>
 
 namespace aten_override {
 
@@ -69,11 +71,13 @@ void gemm_backward_cpu(
 // The fused depthwise kernel (cpu/depthwise.cpp): groups == C_in (in_per_group == 1), any channel
 // multiplier. grad_input / grad_weight as above and grad_bias (C_out,), each computed when its pointer
 // is not null (then weight / input must be defined), all in one pass over grad_output, by one of two
-// walks: plane by plane, or with channels in the vector lanes (any plane whose tiles fit
-// depthwise_lanes_fits). Both are candidates of the autotuner; depthwise_table_walk is the table's
-// choice (small or strided planes: lanes).
-enum class DepthwiseWalk { Plane, Lanes };
+// walks: plane by plane, or with channels in the vector lanes over the whole padded plane (any plane
+// whose tiles fit depthwise_lanes_fits) or over bands of its rows sized to a share of the L2 cache
+// (planes whose whole-plane tiles exceed the L2: where depthwise_bands_unsupported gives no reason). All are candidates of the
+// autotuner; depthwise_table_walk is the table's choice (small or strided planes: lanes, else plane).
+enum class DepthwiseWalk { Plane, Lanes, Bands };
 bool depthwise_lanes_fits(const DirectProblem& p, at::ScalarType dtype);
+std::optional<std::string> depthwise_bands_unsupported(const DirectProblem& p, at::ScalarType dtype);
 DepthwiseWalk depthwise_table_walk(const DirectProblem& p, at::ScalarType dtype);
 void depthwise_backward_cpu(
     const DirectProblem& p, DepthwiseWalk walk, const at::Tensor& grad_output, const at::Tensor& input,

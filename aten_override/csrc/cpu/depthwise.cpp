@@ -26,11 +26,20 @@
 // Small or strided planes take a second kernel with the same contract and task split (below,
 // "channels in vector lanes"): a block of L channels is transposed into [position][channel] tiles, so
 // each vector holds one position of L channels and no per-plane set-up or lane reduction remains.
+// On large planes, whose whole-plane tiles exceed the L2 cache, that kernel walks the plane in bands
+// of rows whose tiles fit a share of the L2 read from the machine (below, "bands of rows").
 #include "fused.h"
 
 #include <ATen/Dispatch.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -47,6 +56,32 @@ ATEN_OVERRIDE_CLONES void add_to_d(const double* partial, double* total, int64_t
 }  // namespace
 void add_to(const float* partial, double* total, int64_t n) { add_to_f(partial, total, n); }
 void add_to(const double* partial, double* total, int64_t n) { add_to_d(partial, total, n); }
+
+int64_t l2_cache_bytes() {
+  static const int64_t bytes = [] {
+    long size = 0;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    size = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    if (size > 0) return static_cast<int64_t>(size);
+    // sysconf may not know (other C libraries, some VMs): cpu0's level-2 data or unified cache in /sys.
+    for (int i = 0; i < 16; ++i) {
+      const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+      std::ifstream level_file(dir + "level"), type_file(dir + "type"), size_file(dir + "size");
+      int level = 0;
+      std::string type, text;
+      if (!(level_file >> level) || !(type_file >> type) || !(size_file >> text)) continue;
+      if (level != 2 || type == "Instruction") continue;
+      char* unit = nullptr;
+      int64_t value = std::strtoll(text.c_str(), &unit, 10);
+      if (*unit == 'K') value <<= 10;
+      if (*unit == 'M') value <<= 20;
+      if (value > 0) return value;
+    }
+    return int64_t{0};
+  }();
+  return bytes;
+}
 
 }  // namespace fused
 
@@ -391,19 +426,33 @@ LanesWalk lanes_walk(const Plane& g) {
   return walk;
 }
 
+// The part of the plane one call of a lanes walk covers: the positions in [lo, hi), whose vectors sit
+// at (position - base) * L in the tiles (whole-plane tiles: every position, base 0).
+struct Window {
+  int64_t lo = 0, hi = std::numeric_limits<int64_t>::max(), base = 0;
+};
+
+// The positions of the sorted list [begin, end) that lie in win: (first, count).
+ATEN_OVERRIDE_INLINE std::pair<const int64_t*, int64_t> window_positions(
+    const int64_t* begin, const int64_t* end, const Window& win) {
+  const int64_t* first = std::lower_bound(begin, end, win.lo);
+  return {first, std::lower_bound(first, end, win.hi) - first};
+}
+
 // acc[k] += sum over the positions j in pos[0 .. count) of gs[j] * xt[j + offset[k]], NT taps (one
-// vector each), kLanesChunk positions at a time; positions count L lanes each, offsets are
-// pre-scaled by L.
+// vector each), kLanesChunk positions at a time; positions count L lanes each (from `base`), offsets
+// are pre-scaled by L.
 template <int NT, typename acc_t>
 ATEN_OVERRIDE_INLINE void lanes_correlate_block(
-    acc_t* acc, const acc_t* gs, const acc_t* xt, const int64_t* offset, const int64_t* pos, int64_t count) {
+    acc_t* acc, const acc_t* gs, const acc_t* xt, const int64_t* offset, const int64_t* pos, int64_t count,
+    int64_t base) {
   using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
   for (int64_t i0 = 0; i0 < count; i0 += kLanesChunk) {
     typename V::type sums[NT];
     for (int k = 0; k < NT; ++k) sums[k] = typename V::type{};
     for (int64_t i = i0; i < std::min(count, i0 + kLanesChunk); ++i) {
-      const int64_t j = pos[i] * L;
+      const int64_t j = (pos[i] - base) * L;
       const auto go = V::load(gs + j);
       for (int k = 0; k < NT; ++k) sums[k] += go * V::load(xt + j + offset[k]);
     }
@@ -412,11 +461,11 @@ ATEN_OVERRIDE_INLINE void lanes_correlate_block(
 }
 
 // out[j] (= or +=) sum over NT taps of weight[taps[k]] * gs[j - offset[taps[k]]] for the positions
-// j in pos[0 .. count); weight holds one vector (L channels) per tap.
+// j in pos[0 .. count) (from `base`); weight holds one vector (L channels) per tap.
 template <int NT, typename acc_t>
 ATEN_OVERRIDE_INLINE void lanes_gather_block(
     acc_t* out, const acc_t* gs, const acc_t* weight, const int64_t* offset, const int64_t* taps, bool accumulate,
-    const int64_t* pos, int64_t count) {
+    const int64_t* pos, int64_t count, int64_t base) {
   using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
   typename V::type wk[NT];
@@ -426,7 +475,7 @@ ATEN_OVERRIDE_INLINE void lanes_gather_block(
     src[k] = gs - offset[taps[k]];
   }
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t j = pos[i] * L;
+    const int64_t j = (pos[i] - base) * L;
     typename V::type s = {};
     if (accumulate) s = V::load(out + j);
     for (int k = 0; k < NT; ++k) s += wk[k] * V::load(src[k] + j);
@@ -441,10 +490,10 @@ struct LanesCorrelateOp {
   const acc_t* xt;
   const int64_t* offset;
   const int64_t* pos;
-  int64_t count;
+  int64_t count, base;
   template <int NT>
   ATEN_OVERRIDE_INLINE void run(int64_t first, int64_t) const {
-    lanes_correlate_block<NT>(acc + first * Vec<acc_t>::size, gs, xt, offset + first, pos, count);
+    lanes_correlate_block<NT>(acc + first * Vec<acc_t>::size, gs, xt, offset + first, pos, count, base);
   }
 };
 
@@ -457,79 +506,91 @@ struct LanesGatherOp {
   const int64_t* taps;
   bool accumulate;
   const int64_t* pos;
-  int64_t count;
+  int64_t count, base;
   template <int NT>
   ATEN_OVERRIDE_INLINE void run(int64_t first, int64_t index) const {
-    lanes_gather_block<NT>(out, gs, weight, offset, taps + first, accumulate || index > 0, pos, count);
+    lanes_gather_block<NT>(out, gs, weight, offset, taps + first, accumulate || index > 0, pos, count, base);
   }
 };
 
-// One grad_output tile (gs, from its margin) against the input tile xt: acc (one vector per tap, or
-// null) += grad_weight, bias (one vector, or null) += grad_bias. `offset` is the Plane's, scaled by L.
+// The grad_output positions in win (gs) against the input tile xt: acc (one vector per tap, or null)
+// += grad_weight, bias (one vector, or null) += grad_bias. `offset` is the Plane's, scaled by L.
 template <typename acc_t>
 ATEN_OVERRIDE_INLINE void lanes_correlate_plane(
     const LanesWalk& walk, int64_t taps, const int64_t* offset, acc_t* acc, acc_t* bias, const acc_t* gs,
-    const acc_t* xt) {
+    const acc_t* xt, const Window& win) {
   using V = Vec<acc_t>;
-  const int64_t count = static_cast<int64_t>(walk.outputs.size());
-  if (acc) for_tap_blocks(taps, LanesCorrelateOp<acc_t>{acc, gs, xt, offset, walk.outputs.data(), count});
+  const int64_t* outputs = walk.outputs.data();
+  const auto [pos, count] = window_positions(outputs, outputs + walk.outputs.size(), win);
+  if (acc) for_tap_blocks(taps, LanesCorrelateOp<acc_t>{acc, gs, xt, offset, pos, count, win.base});
   for (int64_t i0 = 0; bias && i0 < count; i0 += kLanesChunk) {
     typename V::type b = {};
-    for (int64_t i = i0; i < std::min(count, i0 + kLanesChunk); ++i) b += V::load(gs + walk.outputs[i] * V::size);
+    for (int64_t i = i0; i < std::min(count, i0 + kLanesChunk); ++i) b += V::load(gs + (pos[i] - win.base) * V::size);
     V::store(bias, V::load(bias) + b);
   }
 }
 
-// The grad_input tile (interior positions) of one grad_output tile: out (= or +=) the gather over
-// each row class's taps (those whose rows of gs are not all gaps); `weight` one vector per tap.
+// The grad_input tile (interior positions in win) of the grad_output tile gs: out (= or +=) the gather
+// over each row class's taps (those whose rows of gs are not all gaps); `weight` one vector per tap.
 template <typename acc_t>
 ATEN_OVERRIDE_INLINE void lanes_gather_plane(
-    const LanesWalk& walk, const int64_t* offset, acc_t* out, const acc_t* gs, const acc_t* weight, bool accumulate) {
+    const LanesWalk& walk, const int64_t* offset, acc_t* out, const acc_t* gs, const acc_t* weight, bool accumulate,
+    const Window& win) {
   constexpr int64_t L = Vec<acc_t>::size;
+  const int64_t* inputs = walk.inputs.data();
   for (size_t c = 0; c + 1 < walk.class_begin.size(); ++c) {
     const int64_t begin = walk.class_begin[c], ntaps = walk.class_begin[c + 1] - begin;
-    const int64_t* pos = walk.inputs.data() + walk.input_begin[c];
-    const int64_t count = walk.input_begin[c + 1] - walk.input_begin[c];
+    const auto [pos, count] = window_positions(inputs + walk.input_begin[c], inputs + walk.input_begin[c + 1], win);
     if (ntaps == 0) {
-      for (int64_t i = 0; i < count && !accumulate; ++i) std::fill(out + pos[i] * L, out + (pos[i] + 1) * L, acc_t(0));
+      for (int64_t i = 0; i < count && !accumulate; ++i) {
+        std::fill(out + (pos[i] - win.base) * L, out + (pos[i] - win.base + 1) * L, acc_t(0));
+      }
       continue;
     }
     for_tap_blocks(
-        ntaps, LanesGatherOp<acc_t>{out, gs, weight, offset, walk.class_taps.data() + begin, accumulate, pos, count});
+        ntaps,
+        LanesGatherOp<acc_t>{out, gs, weight, offset, walk.class_taps.data() + begin, accumulate, pos, count, win.base});
   }
 }
 
 ATEN_OVERRIDE_CLONES void lanes_correlate_f(
-    const LanesWalk& walk, int64_t taps, const int64_t* o, float* acc, float* bias, const float* gs, const float* xt) {
-  lanes_correlate_plane(walk, taps, o, acc, bias, gs, xt);
+    const LanesWalk& walk, int64_t taps, const int64_t* o, float* acc, float* bias, const float* gs, const float* xt,
+    const Window& win) {
+  lanes_correlate_plane(walk, taps, o, acc, bias, gs, xt, win);
 }
 ATEN_OVERRIDE_CLONES void lanes_correlate_d(
     const LanesWalk& walk, int64_t taps, const int64_t* o, double* acc, double* bias, const double* gs,
-    const double* xt) {
-  lanes_correlate_plane(walk, taps, o, acc, bias, gs, xt);
+    const double* xt, const Window& win) {
+  lanes_correlate_plane(walk, taps, o, acc, bias, gs, xt, win);
 }
 ATEN_OVERRIDE_CLONES void lanes_gather_f(
-    const LanesWalk& walk, const int64_t* o, float* out, const float* gs, const float* w, bool accumulate) {
-  lanes_gather_plane(walk, o, out, gs, w, accumulate);
+    const LanesWalk& walk, const int64_t* o, float* out, const float* gs, const float* w, bool accumulate,
+    const Window& win) {
+  lanes_gather_plane(walk, o, out, gs, w, accumulate, win);
 }
 ATEN_OVERRIDE_CLONES void lanes_gather_d(
-    const LanesWalk& walk, const int64_t* o, double* out, const double* gs, const double* w, bool accumulate) {
-  lanes_gather_plane(walk, o, out, gs, w, accumulate);
+    const LanesWalk& walk, const int64_t* o, double* out, const double* gs, const double* w, bool accumulate,
+    const Window& win) {
+  lanes_gather_plane(walk, o, out, gs, w, accumulate, win);
 }
 inline void lanes_correlate(
-    const LanesWalk& walk, int64_t taps, const int64_t* o, float* a, float* b, const float* gs, const float* xt) {
-  lanes_correlate_f(walk, taps, o, a, b, gs, xt);
+    const LanesWalk& walk, int64_t taps, const int64_t* o, float* a, float* b, const float* gs, const float* xt,
+    const Window& win) {
+  lanes_correlate_f(walk, taps, o, a, b, gs, xt, win);
 }
 inline void lanes_correlate(
-    const LanesWalk& walk, int64_t taps, const int64_t* o, double* a, double* b, const double* gs, const double* xt) {
-  lanes_correlate_d(walk, taps, o, a, b, gs, xt);
-}
-inline void lanes_gather(const LanesWalk& walk, const int64_t* o, float* out, const float* gs, const float* w, bool acc) {
-  lanes_gather_f(walk, o, out, gs, w, acc);
+    const LanesWalk& walk, int64_t taps, const int64_t* o, double* a, double* b, const double* gs, const double* xt,
+    const Window& win) {
+  lanes_correlate_d(walk, taps, o, a, b, gs, xt, win);
 }
 inline void lanes_gather(
-    const LanesWalk& walk, const int64_t* o, double* out, const double* gs, const double* w, bool acc) {
-  lanes_gather_d(walk, o, out, gs, w, acc);
+    const LanesWalk& walk, const int64_t* o, float* out, const float* gs, const float* w, bool acc, const Window& win) {
+  lanes_gather_f(walk, o, out, gs, w, acc, win);
+}
+inline void lanes_gather(
+    const LanesWalk& walk, const int64_t* o, double* out, const double* gs, const double* w, bool acc,
+    const Window& win) {
+  lanes_gather_d(walk, o, out, gs, w, acc, win);
 }
 
 // The table's choice between the two walks (the autotuner measures both where both apply).
@@ -545,6 +606,13 @@ constexpr int64_t kLanesMaxStridedPlane = 1024;
 // walk is not a candidate.
 constexpr int64_t kLanesMaxTileBytes = int64_t{16} << 20;
 
+// The banded walk's tiles take at most 1 / kBandL2Divisor of the L2 cache: the rest holds the next
+// band's input and grad_output rows, which are prefetched while a band is computed. It is a candidate
+// only where the whole-plane tiles exceed the L2: on 56x56 planes (0.65 MiB of tiles, 1 MiB L2) bands
+// measured 1.0-1.07x the whole-plane walk's time, on 112x112 planes (2.5 MiB) 0.86-0.98x (Zen 4, one
+// thread, budgets of 1/4 to all of the L2 within noise of each other).
+constexpr int64_t kBandL2Divisor = 2;
+
 int64_t lanes_of(at::ScalarType dtype) {
   return dtype == at::kDouble ? Vec<double>::size : Vec<float>::size;
 }
@@ -555,11 +623,153 @@ bool lanes_walk_preferred(const DirectProblem& p, int64_t lanes) {
   return 2 * p.groups >= lanes && (in_plane <= kLanesMaxPlane || (strided && out_plane <= kLanesMaxStridedPlane));
 }
 
-// The channels-in-lanes kernel: same contract and task split as depthwise_impl, tasks of L channels.
+// --- Large planes: the channels-in-lanes walk in bands of rows -------------------------------------
+// On large planes (MobileNetV2's 112x112 and 56x56 stages) the whole-plane tiles of L channels are
+// megabytes each (114 x 114 positions x 64 bytes: 0.8 MiB per tile), far over L2, so each of the
+// walk's passes (transpose in, correlate, gather, transpose out) goes to L3 or DRAM. The banded walk
+// runs the same passes over bands of rows of the padded plane (of (t, h) rows in 3-D), sized so that
+// a band's three tiles fit a share of the L2 read from the machine. A band of rows [r0, r1) holds, at
+// the same offsets from its first position as in the whole-plane tiles:
+//   - xt: the input rows of [r0, r1) and those its grad_output positions' taps reach after them,
+//   - gs: the grad_output positions (at their tap 0) of rows [r0, r1) and those before them whose taps
+//     reach its rows (re-read by the band after theirs: the overlap is the kernel's reach),
+//   - gp: grad_input of rows [r0, r1), written out once the band's grad_output channels are done.
+// grad_weight / grad_bias take the band's grad_output positions, grad_input the band's input rows:
+// each position in exactly one band, so both are the whole-plane walk's sums (grad_input bit for bit;
+// grad_weight / grad_bias in other chunks, bands in a fixed order). The whole-plane walk is the
+// banded one with a single band.
+
+// The padded plane of make_plane(p, 1) as rows of (t, h), by arithmetic: this runs on the per-call
+// path (the table's choice, a tuned choice's check), where make_plane's tap lists would allocate.
+struct PlaneRows {
+  int64_t pitch;   // positions per row (padded W)
+  int64_t rows;    // padded T * padded H
+  int64_t margin;  // Plane::margin: the largest tap offset, in positions
+  int64_t stride;  // stride in H: bands hold whole multiples of it (the same rows of gs stay gaps)
+};
+
+PlaneRows plane_rows(const DirectProblem& p) {
+  int64_t padded[3];
+  for (int i = 0; i < 3; ++i) padded[i] = p.in[i] + 2 * p.padding[i];
+  const int64_t margin = ((p.kernel[0] - 1) * p.dilation[0] * padded[1] + (p.kernel[1] - 1) * p.dilation[1]) * padded[2] +
+      (p.kernel[2] - 1) * p.dilation[2];
+  return {padded[2], padded[0] * padded[1], margin, p.stride[1]};
+}
+
+// Positions of each tile of a band of `rows` rows: the band and the taps' reach (margin) either side.
+int64_t band_tile_positions(const PlaneRows& r, int64_t rows) {
+  return rows * r.pitch + 2 * r.margin + 1;
+}
+
+// Bytes per thread of a band's three tiles the walk touches: xt the band and the margin after it, gs
+// the band and the margin before it, gp the band (one vector of L channels per position).
+int64_t band_tile_bytes(const PlaneRows& r, int64_t rows, at::ScalarType dtype) {
+  const int64_t element = dtype == at::kDouble ? 8 : 4;
+  return (3 * rows * r.pitch + 2 * r.margin) * lanes_of(dtype) * element;
+}
+
+// Rows the taps reach before a position (ceil(margin / pitch)): a band shorter than that would
+// re-read more grad_output rows than it owns.
+int64_t reach_rows(const PlaneRows& r) {
+  return (r.margin + r.pitch - 1) / r.pitch;
+}
+
+int64_t band_budget() {
+  return l2_cache_bytes() / kBandL2Divisor;
+}
+
+// Rows per band of the banded walk: the bands as even as the budget allows, a multiple of the stride
+// in H where the budget allows it; 0 when not even a band of reach_rows fits the budget.
+int64_t band_rows(const PlaneRows& r, at::ScalarType dtype, int64_t budget) {
+  const int64_t fixed = band_tile_bytes(r, 0, dtype), per_row = band_tile_bytes(r, 1, dtype) - fixed;
+  int64_t most = budget > fixed ? std::min(r.rows, (budget - fixed) / per_row) : 0;
+  if (most >= r.stride) most -= most % r.stride;
+  if (most < std::max<int64_t>(1, reach_rows(r))) return 0;
+  const int64_t bands = (r.rows + most - 1) / most;
+  const int64_t even = (r.rows + bands - 1) / bands;
+  return std::min(most, (even + r.stride - 1) / r.stride * r.stride);
+}
+
+// One band of rows [r0, r1) of the padded plane and the position ranges it moves (input and
+// grad_input positions in (t, h, w) order, grad_output positions likewise).
+struct Band {
+  int64_t r0, r1;
+  Window win;                     // positions [r0 * pitch, r1 * pitch); tiles from r0 * pitch - margin
+  int64_t in_first, in_count;     // input into xt: positions [r0 * pitch, (r1 + margin / pitch) * pitch)
+  int64_t out_first, out_count;   // grad_output into gs: tap-0 positions [r0 * pitch - margin, r1 * pitch)
+  int64_t gi_first, gi_count;     // grad_input out of gp: positions [r0 * pitch, r1 * pitch)
+};
+
+std::vector<Band> make_bands(
+    const Plane& g, int64_t rows_per_band, const std::vector<int64_t>& in_pos, const std::vector<int64_t>& out_pos) {
+  const auto range = [](const std::vector<int64_t>& list, int64_t lo, int64_t hi) {
+    const int64_t first = std::lower_bound(list.begin(), list.end(), lo) - list.begin();
+    const int64_t last = std::lower_bound(list.begin(), list.end(), hi) - list.begin();
+    return std::make_pair(first, last - first);
+  };
+  std::vector<Band> bands;
+  const int64_t rows = g.size / g.pitch, halo = g.margin / g.pitch * g.pitch;
+  for (int64_t r0 = 0; r0 < rows; r0 += rows_per_band) {
+    Band b;
+    b.r0 = r0, b.r1 = std::min(rows, r0 + rows_per_band);
+    const int64_t lo = b.r0 * g.pitch, hi = b.r1 * g.pitch;
+    b.win = Window{lo, hi, lo - g.margin};
+    std::tie(b.in_first, b.in_count) = range(in_pos, lo, hi + halo);
+    std::tie(b.out_first, b.out_count) = range(out_pos, lo - g.margin, hi);
+    std::tie(b.gi_first, b.gi_count) = range(in_pos, lo, hi);
+    bands.push_back(b);
+  }
+  return bands;
+}
+
+// Whether padded row r (of (t, h)) holds input positions / grad_output positions (at their tap 0).
+bool input_row(const Plane& g, int64_t r) {
+  const int64_t t = r / g.rows_h, h = r % g.rows_h;
+  return r >= 0 && t >= g.pad_t && t < g.pad_t + g.in_t && h >= g.pad_h && h < g.pad_h + g.in_h;
+}
+bool output_row(const Plane& g, int64_t r) {
+  const int64_t t = r / g.rows_h, h = r % g.rows_h;
+  return r >= 0 && t % g.stride_t == 0 && t / g.stride_t < g.out_t && h % g.stride_h == 0 && h / g.stride_h < g.out_h;
+}
+
+// A band tile's rows: tile row k is padded row r0 - reach + k of the band (r0 = its first row) and
+// covers positions [k * pitch - skew, (k + 1) * pitch - skew) of the tile, for every band alike (each
+// starts at r0 * pitch - margin). The padding columns and the gap columns of strided rows are never
+// written, so they stay zero; rows are zeroed when they held data for an earlier band and hold none
+// now (padding rows, gap rows, rows past the plane), so the tiles equal the whole-plane tiles on
+// every position a band's walk reads.
+template <typename acc_t>
+class TileRows {
+ public:
+  TileRows(const Plane& g, int64_t positions)
+      : pitch_(g.pitch), reach_((g.margin + g.pitch - 1) / g.pitch), skew_(reach_ * g.pitch - g.margin),
+        positions_(positions), held_((positions + skew_ + g.pitch - 1) / g.pitch, 0) {}
+
+  // holds(r): whether padded row r holds data for the band starting at row r0.
+  template <typename Holds>
+  void clear_stale(acc_t* tile, int64_t r0, Holds&& holds) {
+    constexpr int64_t L = Vec<acc_t>::size;
+    for (int64_t k = 0; k < static_cast<int64_t>(held_.size()); ++k) {
+      const bool now = holds(r0 - reach_ + k);
+      if (held_[k] && !now) {
+        const int64_t begin = std::max<int64_t>(0, k * pitch_ - skew_), end = std::min(positions_, (k + 1) * pitch_ - skew_);
+        std::fill(tile + begin * L, tile + end * L, acc_t(0));
+      }
+      held_[k] = now;
+    }
+  }
+
+ private:
+  int64_t pitch_, reach_, skew_, positions_;
+  std::vector<char> held_;
+};
+
+// The channels-in-lanes kernel: same contract and task split as depthwise_impl, tasks of L channels,
+// the padded plane walked in bands of rows_per_band rows (the whole plane: one band).
 template <typename scalar_t>
 void depthwise_lanes_impl(
-    const DirectProblem& p, const scalar_t* go, const scalar_t* x, const scalar_t* w, scalar_t* gi, scalar_t* gw,
-    scalar_t* gb) {
+    const DirectProblem& p, int64_t rows_per_band, const scalar_t* go, const scalar_t* x, const scalar_t* w,
+    scalar_t* gi, scalar_t* gw, scalar_t* gb) {
   using acc_t = acc_type<scalar_t>;
   constexpr int64_t L = Vec<acc_t>::size;
   const Plane g = make_plane(p, 1);
@@ -568,6 +778,11 @@ void depthwise_lanes_impl(
   const int64_t per_channel = multiplier * g.taps;
   const std::vector<int64_t> in_pos = input_positions(g), out_pos = output_positions(g);
   const LanesWalk walk = lanes_walk(g);
+  const std::vector<Band> bands = make_bands(g, rows_per_band, in_pos, out_pos);
+  const int64_t tile = band_tile_positions(plane_rows(p), rows_per_band), halo = g.margin / g.pitch;
+  TORCH_INTERNAL_ASSERT(plane_rows(p).margin == g.margin && plane_rows(p).pitch == g.pitch);
+  int64_t band_inputs = 0;  // most grad_input positions of a band
+  for (const Band& b : bands) band_inputs = std::max(band_inputs, b.gi_count);
   std::vector<int64_t> offset(g.offset);
   for (auto& o : offset) o *= L;
   const bool by_channel = gw || gb;
@@ -581,17 +796,15 @@ void depthwise_lanes_impl(
   const bool stream = false;
 #endif
   for_each_chunk(tasks, p.batch * channels * (in_plane + multiplier * out_plane), [&](auto&& next_chunk) {
-    // One block of grad_input planes (contiguous in grad_input), when streamed.
-    std::vector<scalar_t> staging(stream ? L * in_plane : 0);
+    // One band of a block's grad_input planes, lane by lane, when streamed.
+    std::vector<scalar_t> staging(stream ? L * band_inputs : 0);
     // Tiles: input (zero borders), grad_output spread to tap-0 positions (zero gaps and margin), grad_input.
-    std::vector<acc_t> xt(gw ? (g.size + 1) * L : 0, acc_t(0));
-    std::vector<acc_t> gs((g.margin + g.size + 1) * L, acc_t(0));
-    std::vector<acc_t> gp(gi ? (g.size + 1) * L : 0);
+    std::vector<acc_t> xt(gw ? tile * L : 0, acc_t(0)), gs(tile * L, acc_t(0)), gp(gi ? tile * L : 0);
+    TileRows<acc_t> xt_rows(g, tile), gs_rows(g, tile);
     // Per block: weight vectors, one sample's grad_weight / grad_bias vectors and their double totals.
     std::vector<acc_t> weight(gi ? per_channel * L : 0);
     std::vector<acc_t> acc(gw ? per_channel * L : 0), bias(gb ? multiplier * L : 0);
     std::vector<double> acc_total(acc.size()), bias_total(bias.size());
-    acc_t* spread = gs.data() + g.margin * L;
     for (auto [begin, end] = next_chunk(); begin < end; std::tie(begin, end) = next_chunk()) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t c0 = (task % blocks) * L, lanes = std::min(L, channels - c0);
@@ -603,36 +816,59 @@ void depthwise_lanes_impl(
             }
           }
         }
+        // Band b's input and grad_output rows of sample n, into L2.
+        const auto prefetch_band = [&](int64_t n, const Band& b) {
+          for (int64_t l = 0; l < lanes; ++l) {
+            if (gw) prefetch(x + (n * channels + c0 + l) * in_plane + b.in_first, b.in_count);
+            for (int64_t q = 0; q < multiplier; ++q) {
+              prefetch(go + ((n * channels + c0 + l) * multiplier + q) * out_plane + b.out_first, b.out_count);
+            }
+          }
+        };
         std::fill(acc_total.begin(), acc_total.end(), 0.0);
         std::fill(bias_total.begin(), bias_total.end(), 0.0);
         for (int64_t n = n_begin; n < n_end; ++n) {
-          if (n + 1 < n_end) {
-            prefetch(go + ((n + 1) * channels + c0) * multiplier * out_plane, lanes * multiplier * out_plane);
-            if (gw) prefetch(x + ((n + 1) * channels + c0) * in_plane, lanes * in_plane);
-          }
           std::fill(acc.begin(), acc.end(), acc_t(0));
           std::fill(bias.begin(), bias.end(), acc_t(0));
-          if (gw) load_tiles(x + (n * channels + c0) * in_plane, in_plane, lanes, in_pos.data(), in_plane, xt.data());
-          for (int64_t q = 0; q < multiplier; ++q) {
-            // Output channels (c0 + l) * multiplier + q, l < lanes.
-            load_tiles(
-                go + ((n * channels + c0) * multiplier + q) * out_plane, multiplier * out_plane, lanes, out_pos.data(),
-                out_plane, spread);
-            lanes_correlate(
-                walk, g.taps, offset.data(), gw ? acc.data() + q * g.taps * L : nullptr,
-                gb ? bias.data() + q * L : nullptr, spread, xt.data());
-            if (gi) lanes_gather(walk, offset.data(), gp.data(), spread, weight.data() + q * g.taps * L, q > 0);
-          }
-          if (gi) {
-            scalar_t* out = gi + (n * channels + c0) * in_plane;
-            store_tiles(gp.data(), in_pos.data(), in_plane, stream ? staging.data() : out, in_plane, lanes);
-#ifdef ATEN_OVERRIDE_AVX512
-            if (stream) {
-              copy_streaming(
-                  reinterpret_cast<const char*>(staging.data()), reinterpret_cast<char*>(out),
-                  lanes * in_plane * static_cast<int64_t>(sizeof(scalar_t)));
+          for (size_t bi = 0; bi < bands.size(); ++bi) {
+            const Band& b = bands[bi];
+            // The next band (the next sample's first after the last) arrives while this one is computed.
+            if (bi + 1 < bands.size()) prefetch_band(n, bands[bi + 1]);
+            else if (n + 1 < n_end) prefetch_band(n + 1, bands[0]);
+            if (gw) {
+              xt_rows.clear_stale(xt.data(), b.r0, [&](int64_t r) { return r >= b.r0 && r < b.r1 + halo && input_row(g, r); });
+              load_tiles(
+                  x + (n * channels + c0) * in_plane + b.in_first, in_plane, lanes, in_pos.data() + b.in_first,
+                  b.in_count, xt.data(), L, b.win.base);
             }
+            gs_rows.clear_stale(gs.data(), b.r0, [&](int64_t r) { return r < b.r1 && output_row(g, r); });
+            for (int64_t q = 0; q < multiplier; ++q) {
+              // Output channels (c0 + l) * multiplier + q, l < lanes.
+              load_tiles(
+                  go + ((n * channels + c0) * multiplier + q) * out_plane + b.out_first, multiplier * out_plane, lanes,
+                  out_pos.data() + b.out_first, b.out_count, gs.data(), L, b.win.base);
+              lanes_correlate(
+                  walk, g.taps, offset.data(), gw ? acc.data() + q * g.taps * L : nullptr,
+                  gb ? bias.data() + q * L : nullptr, gs.data(), xt.data(), b.win);
+              if (gi) lanes_gather(walk, offset.data(), gp.data(), gs.data(), weight.data() + q * g.taps * L, q > 0, b.win);
+            }
+            if (gi) {
+              scalar_t* out = gi + (n * channels + c0) * in_plane + b.gi_first;
+              const int64_t* index = in_pos.data() + b.gi_first;
+              if (!stream) {
+                store_tiles(gp.data(), index, b.gi_count, out, in_plane, lanes, L, b.win.base);
+              }
+#ifdef ATEN_OVERRIDE_AVX512
+              if (stream) {
+                store_tiles(gp.data(), index, b.gi_count, staging.data(), b.gi_count, lanes, L, b.win.base);
+                for (int64_t l = 0; l < lanes; ++l) {
+                  copy_streaming(
+                      reinterpret_cast<const char*>(staging.data() + l * b.gi_count), reinterpret_cast<char*>(out + l * in_plane),
+                      b.gi_count * static_cast<int64_t>(sizeof(scalar_t)));
+                }
+              }
 #endif
+            }
           }
           add_to(acc.data(), acc_total.data(), static_cast<int64_t>(acc.size()));
           add_to(bias.data(), bias_total.data(), static_cast<int64_t>(bias.size()));
@@ -654,14 +890,29 @@ void depthwise_lanes_impl(
 }  // namespace
 
 bool depthwise_lanes_fits(const DirectProblem& p, at::ScalarType dtype) {
-  // make_plane(p, 1)'s size and margin, by arithmetic: this runs on the per-call path (the table's
-  // choice, and a tuned choice's check), where make_plane's tap lists would allocate.
-  int64_t padded[3], size = 1;
-  for (int i = 0; i < 3; ++i) size *= padded[i] = p.in[i] + 2 * p.padding[i];
-  const int64_t margin = ((p.kernel[0] - 1) * p.dilation[0] * padded[1] + (p.kernel[1] - 1) * p.dilation[1]) * padded[2] +
-      (p.kernel[2] - 1) * p.dilation[2];
+  const PlaneRows r = plane_rows(p);
   const int64_t element = dtype == at::kDouble ? 8 : 4;
-  return (margin + 3 * (size + 1)) * lanes_of(dtype) * element <= kLanesMaxTileBytes;
+  return 3 * band_tile_positions(r, r.rows) * lanes_of(dtype) * element <= kLanesMaxTileBytes;
+}
+
+std::optional<std::string> depthwise_bands_unsupported(const DirectProblem& p, at::ScalarType dtype) {
+  if (p.in_per_group != 1 || p.groups == 1) return "not depthwise (groups == C_in > 1)";
+  const int64_t l2 = l2_cache_bytes(), budget = band_budget();
+  if (l2 == 0) return "the L2 cache size is unknown (neither sysconf nor /sys/devices/system/cpu reports it)";
+  const PlaneRows r = plane_rows(p);
+  const int64_t whole = band_tile_bytes(r, r.rows, dtype);
+  if (whole <= l2) {
+    return c10::str(
+        "the whole plane's channels-in-lanes tiles (", whole >> 10, " KiB) fit the L2 (", l2 >> 10,
+        " KiB): depthwise-lanes keeps them there");
+  }
+  if (band_rows(r, dtype, budget) == 0) {
+    const int64_t rows = std::max<int64_t>(1, reach_rows(r));
+    return c10::str(
+        "a band of ", rows, " rows (the kernel's reach) needs ", band_tile_bytes(r, rows, dtype) >> 10,
+        " KiB of tiles, over 1/", kBandL2Divisor, " of the L2 (", budget >> 10, " KiB)");
+  }
+  return std::nullopt;
 }
 
 DepthwiseWalk depthwise_table_walk(const DirectProblem& p, at::ScalarType dtype) {
@@ -676,12 +927,19 @@ void depthwise_backward_cpu(
   TORCH_INTERNAL_ASSERT(!grad_input || (grad_input->is_contiguous() && weight.is_contiguous()));
   TORCH_INTERNAL_ASSERT(!grad_weight || (grad_weight->is_contiguous() && input.is_contiguous()));
   TORCH_INTERNAL_ASSERT(!grad_bias || grad_bias->is_contiguous());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_output.scalar_type(), "depthwise_backward_cpu", [&] {
+  const at::ScalarType dtype = grad_output.scalar_type();
+  const int64_t rows = walk == DepthwiseWalk::Bands ? band_rows(plane_rows(p), dtype, band_budget()) : plane_rows(p).rows;
+  TORCH_INTERNAL_ASSERT(rows > 0, "depthwise bands: no band fits (depthwise_bands_unsupported declines this call)");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "depthwise_backward_cpu", [&] {
     const auto data = [](at::Tensor* t) { return t ? t->data_ptr<scalar_t>() : nullptr; };
-    const auto impl = walk == DepthwiseWalk::Lanes ? depthwise_lanes_impl<scalar_t> : depthwise_impl<scalar_t>;
-    impl(
-        p, grad_output.const_data_ptr<scalar_t>(), grad_weight ? input.const_data_ptr<scalar_t>() : nullptr,
-        grad_input ? weight.const_data_ptr<scalar_t>() : nullptr, data(grad_input), data(grad_weight), data(grad_bias));
+    const scalar_t* go = grad_output.const_data_ptr<scalar_t>();
+    const scalar_t* x = grad_weight ? input.const_data_ptr<scalar_t>() : nullptr;
+    const scalar_t* w = grad_input ? weight.const_data_ptr<scalar_t>() : nullptr;
+    if (walk == DepthwiseWalk::Plane) {
+      depthwise_impl<scalar_t>(p, go, x, w, data(grad_input), data(grad_weight), data(grad_bias));
+    } else {
+      depthwise_lanes_impl<scalar_t>(p, rows, go, x, w, data(grad_input), data(grad_weight), data(grad_bias));
+    }
   });
 }
 

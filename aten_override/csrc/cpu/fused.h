@@ -297,27 +297,30 @@ inline std::vector<int64_t> output_positions(const Plane& g) {
   return out;
 }
 
-// dst[index[i] * pitch + l] = src[l * lane_stride + i] for the first `lanes` of L lanes (0 in the
-// others), i < positions: `lanes` planes into one vector per position of a tile whose positions are
-// `pitch` elements apart (L: one vector of channels; more: several, filled one call each).
+// dst[(index[i] - base) * pitch + l] = src[l * lane_stride + i] for the first `lanes` of L lanes (0
+// in the others), i < positions: `lanes` planes into one vector per position of a tile whose positions
+// are `pitch` elements apart (L: one vector of channels; more: several, filled one call each). A tile
+// that holds part of a plane (depthwise bands) starts at position `base`.
 template <typename scalar_t, typename acc_t>
 void load_tiles_generic(
     const scalar_t* src, int64_t lane_stride, int64_t lanes, const int64_t* index, int64_t positions, acc_t* dst,
-    int64_t pitch) {
+    int64_t pitch, int64_t base) {
   constexpr int64_t L = Vec<acc_t>::size;
   for (int64_t i = 0; i < positions; ++i) {
-    acc_t* d = dst + index[i] * pitch;
+    acc_t* d = dst + (index[i] - base) * pitch;
     for (int64_t l = 0; l < L; ++l) d[l] = l < lanes ? static_cast<acc_t>(src[l * lane_stride + i]) : acc_t(0);
   }
 }
 
-// dst[l * lane_stride + i] = src[index[i] * pitch + l] for l < lanes: tiles back into planes.
+// dst[l * lane_stride + i] = src[(index[i] - base) * pitch + l] for l < lanes: tiles back into planes.
 template <typename scalar_t, typename acc_t>
 void store_tiles_generic(
     const acc_t* src, int64_t pitch, const int64_t* index, int64_t positions, scalar_t* dst, int64_t lane_stride,
-    int64_t lanes) {
+    int64_t lanes, int64_t base) {
   for (int64_t l = 0; l < lanes; ++l) {
-    for (int64_t i = 0; i < positions; ++i) dst[l * lane_stride + i] = static_cast<scalar_t>(src[index[i] * pitch + l]);
+    for (int64_t i = 0; i < positions; ++i) {
+      dst[l * lane_stride + i] = static_cast<scalar_t>(src[(index[i] - base) * pitch + l]);
+    }
   }
 }
 
@@ -354,26 +357,28 @@ ATEN_OVERRIDE_AVX512 ATEN_OVERRIDE_INLINE void transpose16(__m512 r[16]) {
 template <typename scalar_t>
 ATEN_OVERRIDE_AVX512 void load_tiles_avx512(
     const scalar_t* src, int64_t lane_stride, int64_t lanes, const int64_t* index, int64_t positions, float* dst,
-    int64_t pitch) {
+    int64_t pitch, int64_t base) {
   for (int64_t i0 = 0; i0 < positions; i0 += 16) {
     const int64_t n = std::min<int64_t>(16, positions - i0);
     const __mmask16 m = static_cast<__mmask16>(n == 16 ? 0xffff : (1u << n) - 1);
     __m512 r[16];
     for (int l = 0; l < 16; ++l) r[l] = l < lanes ? load_row(src + l * lane_stride + i0, m) : _mm512_setzero_ps();
     transpose16(r);
-    for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(dst + index[i0 + i] * pitch, r[i]);
+    for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(dst + (index[i0 + i] - base) * pitch, r[i]);
   }
 }
 
 template <typename scalar_t>
 ATEN_OVERRIDE_AVX512 void store_tiles_avx512(
     const float* src, int64_t pitch, const int64_t* index, int64_t positions, scalar_t* dst, int64_t lane_stride,
-    int64_t lanes) {
+    int64_t lanes, int64_t base) {
   for (int64_t i0 = 0; i0 < positions; i0 += 16) {
     const int64_t n = std::min<int64_t>(16, positions - i0);
     const __mmask16 m = static_cast<__mmask16>(n == 16 ? 0xffff : (1u << n) - 1);
     __m512 r[16];
-    for (int64_t i = 0; i < 16; ++i) r[i] = i < n ? _mm512_loadu_ps(src + index[i0 + i] * pitch) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < 16; ++i) {
+      r[i] = i < n ? _mm512_loadu_ps(src + (index[i0 + i] - base) * pitch) : _mm512_setzero_ps();
+    }
     transpose16(r);
     for (int64_t l = 0; l < lanes; ++l) store_row(dst + l * lane_stride + i0, r[l], m);
   }
@@ -387,25 +392,25 @@ constexpr bool kAvx512Tiles = std::is_same_v<acc_t, float> &&
 template <typename scalar_t, typename acc_t>
 void load_tiles(
     const scalar_t* src, int64_t lane_stride, int64_t lanes, const int64_t* index, int64_t positions, acc_t* dst,
-    int64_t pitch = Vec<acc_t>::size) {
+    int64_t pitch = Vec<acc_t>::size, int64_t base = 0) {
 #ifdef ATEN_OVERRIDE_AVX512
   if constexpr (kAvx512Tiles<scalar_t, acc_t>) {
-    if (has_avx512()) return load_tiles_avx512(src, lane_stride, lanes, index, positions, dst, pitch);
+    if (has_avx512()) return load_tiles_avx512(src, lane_stride, lanes, index, positions, dst, pitch, base);
   }
 #endif
-  load_tiles_generic(src, lane_stride, lanes, index, positions, dst, pitch);
+  load_tiles_generic(src, lane_stride, lanes, index, positions, dst, pitch, base);
 }
 
 template <typename scalar_t, typename acc_t>
 void store_tiles(
     const acc_t* src, const int64_t* index, int64_t positions, scalar_t* dst, int64_t lane_stride, int64_t lanes,
-    int64_t pitch = Vec<acc_t>::size) {
+    int64_t pitch = Vec<acc_t>::size, int64_t base = 0) {
 #ifdef ATEN_OVERRIDE_AVX512
   if constexpr (kAvx512Tiles<scalar_t, acc_t>) {
-    if (has_avx512()) return store_tiles_avx512(src, pitch, index, positions, dst, lane_stride, lanes);
+    if (has_avx512()) return store_tiles_avx512(src, pitch, index, positions, dst, lane_stride, lanes, base);
   }
 #endif
-  store_tiles_generic(src, pitch, index, positions, dst, lane_stride, lanes);
+  store_tiles_generic(src, pitch, index, positions, dst, lane_stride, lanes, base);
 }
 
 // Positions a running float32 sum covers before it is added into the sample's grad_weight /
@@ -417,6 +422,10 @@ constexpr int64_t kLanesChunk = 32;
 // total[i] += partial[i], i < n (one sample's lane sums into the batch totals; cpu/depthwise.cpp).
 void add_to(const float* partial, double* total, int64_t n);
 void add_to(const double* partial, double* total, int64_t n);
+
+// Bytes of this machine's L2 cache per core as the OS reports it (sysconf, else cpu0's cache entries in
+// /sys), read once; 0 when neither says (cpu/depthwise.cpp).
+int64_t l2_cache_bytes();
 
 }  // namespace fused
 }  // namespace aten_override

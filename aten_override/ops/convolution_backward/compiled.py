@@ -169,7 +169,8 @@ def planned_kernel(args: ConvolutionBackwardArgs) -> str:
 
 def depthwise_kernel(args: ConvolutionBackwardArgs) -> str | None:
     """The layer-class table's walk of ``csrc/cpu/depthwise.cpp`` for ``args`` when its class is
-    ``depthwise`` (the autotuner measures both walks, ``depthwise-lanes`` and ``depthwise-plane``, and
+    ``depthwise`` (the autotuner measures the walks, ``depthwise-lanes``, ``depthwise-plane`` and, on
+    planes whose whole-plane lanes tiles exceed the L2 cache, ``depthwise-bands``, and
     :func:`planned_kernel` says which it chose): ``"channels-in-lanes"`` (planes of at most 128 elements, or strided with at most 1,024 grad_output
     elements per plane, and at least half a vector of channels: 8 for float32 / bfloat16 / float16, 4
     for float64) or ``"per-plane"``; ``None`` for other classes and for CUDA calls.

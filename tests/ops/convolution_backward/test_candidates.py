@@ -5,8 +5,8 @@ The autotuner may pick any kernel whose predicate (``candidate_unsupported`` in
 wins elsewhere must still be right here. So each kernel is run by name (``_C.run_kernel``) on a
 matrix of calls — every class, 1-D/2-D/3-D, strided / padded / dilated, channel multipliers, every
 floating dtype, channels-last, every output mask, and planes beyond the sizes the layer-class table
-gives a kernel (the channels-in-lanes depthwise walk on 113x113 stride-2 and 56x56 planes) — and
-its result is compared with the original kernel's and float64's (values, dtypes, shapes, strides).
+gives a kernel (the channels-in-lanes depthwise walk on 113x113 stride-2 and 56x56 planes; its
+banded walk on planes whose whole-plane tiles exceed half the L2 cache) — and its result is compared with the original kernel's and float64's (values, dtypes, shapes, strides).
 A kernel that cannot compute a call must say why (``ValueError``), never run.
 """
 
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(compiled.unavailable_reason() is not None, reaso
 
 # The kernels the autotuner chooses between (not the correctness classes zeros / sum / upcast, nor
 # the autotuner's fake test candidate).
-CANDIDATES = ("native", "depthwise-plane", "depthwise-lanes", "direct", "grouped-lanes", "gemm-im2col", "gemm-kn2row")
+CANDIDATES = ("native", "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct", "grouped-lanes", "gemm-im2col",
+              "gemm-kn2row")
 
 
 def _call(c_in, c_out, groups, kernel, spatial, *, stride=1, padding=0, dilation=1, batch=2,
@@ -56,6 +57,17 @@ def _calls():
         "depthwise 14x14 f16": _call(20, 20, 20, 3, (14, 14), padding=1, dtype=torch.float16),
         "depthwise 14x14 f64 x2": _call(9, 18, 9, 3, (14, 14), padding=1, dtype=torch.float64),
         "depthwise channels_last s2": _call(20, 20, 20, 3, (23, 23), stride=2, padding=1, channels_last=True),
+        # depthwise-bands: planes whose whole-plane lanes tiles (3 x 64 bytes per padded position) exceed
+        # the L2 of machines with up to 2 MiB per core; channels not a multiple of 16, batch 1 and 3
+        "depthwise 112x112 s2 (MobileNetV2 layer.0) batch 3": _call(20, 20, 20, 3, (112, 112), stride=2, padding=1, batch=3),
+        "depthwise 112x112 k3 p1 bf16 batch 1": _call(18, 18, 18, 3, (112, 112), padding=1, dtype=torch.bfloat16, batch=1),
+        "depthwise 115x115 k5 s2 p2 f64 (EfficientNet)": _call(9, 9, 9, 5, (115, 115), stride=2, padding=2,
+                                                                dtype=torch.float64, batch=1),
+        "depthwise 120x100 k3 dilation 2": _call(17, 17, 17, 3, (120, 100), padding=2, dilation=2, batch=1),
+        "depthwise 112x96 k3 p1 x2": _call(10, 20, 10, 3, (112, 96), padding=1, batch=1),
+        "depthwise 3-D 16x20x20 k3 p1": _call(17, 17, 17, 3, (16, 20, 20), padding=1, batch=1),
+        "depthwise 3-D 18x21x21 k3 s2 bf16": _call(16, 16, 16, 3, (18, 21, 21), stride=2, padding=1,
+                                                   dtype=torch.bfloat16, batch=1),
         "grouped 4 per group s2": _call(16, 16, 4, 3, (15, 15), stride=2, padding=1),
         "grouped 16 per group s2": _call(64, 64, 4, 3, (16, 16), stride=2, padding=1),
         "grouped 1-D k16 (wav2vec2 pos_conv)": _call(32, 32, 4, 16, (20,), padding=8),
@@ -82,6 +94,8 @@ def _calls():
     for mask in ((True, False, False), (False, True, True), (False, True, False)):
         bits = "".join("1" if m else "0" for m in mask)
         calls[f"depthwise 56x56 mask {bits}"] = _call(18, 18, 18, 3, (20, 56), padding=1, mask=mask)
+        calls[f"depthwise 112x112 s2 mask {bits}"] = _call(17, 17, 17, 3, (112, 112), stride=2, padding=1, batch=1,
+                                                           mask=mask)
         calls[f"pointwise 16->96 mask {bits}"] = _call(16, 96, 1, 1, (33, 40), mask=mask)
     return calls
 
@@ -117,6 +131,55 @@ def test_every_depthwise_call_has_both_walks():
         if name.startswith("depthwise"):
             for kernel in ("depthwise-plane", "depthwise-lanes"):
                 ext.run_kernel(kernel, *args)  # raises ValueError if not a candidate
+
+
+BAND_CALLS = [name for name in CALLS if name.startswith("depthwise 112x112") or name.startswith("depthwise 3-D 16x")]
+
+
+@pytest.mark.parametrize("call", BAND_CALLS)
+def test_depthwise_bands_claim_large_planes(call):
+    """The banded walk is a candidate where the whole-plane tiles exceed the L2 (here: machines with
+    up to 2 MiB of L2 per core); where it is not, it says the tiles fit."""
+    try:
+        compiled.extension().run_kernel("depthwise-bands", *CALLS[call])
+    except ValueError as e:
+        assert "fit the L2" in str(e), e
+        pytest.skip(f"this machine's L2 holds the whole plane: {e}")
+
+
+def test_depthwise_bands_decline_small_planes_and_say_why():
+    ext = compiled.extension()
+    with pytest.raises(ValueError, match=r"depthwise-bands cannot compute this call: the whole plane's "
+                                         r"channels-in-lanes tiles \(\d+ KiB\) fit the L2 \(\d+ KiB\)"):
+        ext.run_kernel("depthwise-bands", *CALLS["depthwise 14x14 f16"])
+    with pytest.raises(ValueError, match="depthwise-bands cannot compute this call: not depthwise"):
+        ext.run_kernel("depthwise-bands", *CALLS["dense 3x3"])
+    # 3-D with 9 taps in depth: a band must span 8 padded 66x66 slices (the kernel's reach), over 11 MiB
+    x, w, go = torch.zeros(1, 16, 12, 64, 64), torch.zeros(16, 1, 9, 3, 3), torch.zeros(1, 16, 6, 64, 64)
+    reach = (go, x, w, [16], [1, 1, 1], [1, 1, 1], [1, 1, 1], False, [0, 0, 0], 16, [True, True, True])
+    with pytest.raises(ValueError, match=r"a band of \d+ rows \(the kernel's reach\) needs \d+ KiB of tiles"):
+        ext.run_kernel("depthwise-bands", *reach)
+
+
+def test_depthwise_bands_are_deterministic():
+    """Two runs give the same bits, and so do 1 and 2 threads (tasks are blocks of channels; bands run
+    in a fixed order within a task)."""
+    ext = compiled.extension()
+    args = CALLS["depthwise 112x112 s2 (MobileNetV2 layer.0) batch 3"]
+    try:
+        first = ext.run_kernel("depthwise-bands", *args)
+    except ValueError as e:
+        pytest.skip(str(e))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ext.run_kernel("depthwise-bands", *args)
+        torch.set_num_threads(2)
+        two = ext.run_kernel("depthwise-bands", *args)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b, c in zip(first, one, two):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)) and torch.equal(b.view(torch.int32), c.view(torch.int32))
 
 
 def test_a_kernel_that_cannot_compute_a_call_says_why():
