@@ -76,6 +76,12 @@ void gemm_backward_cpu(
 // (planes whose whole-plane tiles exceed the L2: where depthwise_bands_unsupported gives no reason). All are candidates of the
 // autotuner; depthwise_table_walk is the table's choice (small or strided planes: lanes, else plane).
 enum class DepthwiseWalk { Plane, Lanes, Bands };
+
+// Bytes of this machine's level-`level` data (or unified) cache as cpu0 sees it: the kernel's
+// /sys/devices/system/cpu/cpu0/cache entries (what lscpu shows), else sysconf; read once per level;
+// 0 when neither says. /sys comes first: on an AMD EPYC VM glibc's sysconf gave 320 MiB of L3 where
+// /sys (and the CPU) have 32 MiB.
+int64_t cache_bytes(int level);
 bool depthwise_lanes_fits(const DirectProblem& p, at::ScalarType dtype);
 std::optional<std::string> depthwise_bands_unsupported(const DirectProblem& p, at::ScalarType dtype);
 DepthwiseWalk depthwise_table_walk(const DirectProblem& p, at::ScalarType dtype);

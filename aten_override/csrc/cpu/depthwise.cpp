@@ -32,11 +32,8 @@
 
 #include <ATen/Dispatch.h>
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdlib>
-#include <fstream>
 #include <limits>
 #include <optional>
 #include <string>
@@ -56,32 +53,6 @@ ATEN_OVERRIDE_CLONES void add_to_d(const double* partial, double* total, int64_t
 }  // namespace
 void add_to(const float* partial, double* total, int64_t n) { add_to_f(partial, total, n); }
 void add_to(const double* partial, double* total, int64_t n) { add_to_d(partial, total, n); }
-
-int64_t l2_cache_bytes() {
-  static const int64_t bytes = [] {
-    long size = 0;
-#ifdef _SC_LEVEL2_CACHE_SIZE
-    size = sysconf(_SC_LEVEL2_CACHE_SIZE);
-#endif
-    if (size > 0) return static_cast<int64_t>(size);
-    // sysconf may not know (other C libraries, some VMs): cpu0's level-2 data or unified cache in /sys.
-    for (int i = 0; i < 16; ++i) {
-      const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
-      std::ifstream level_file(dir + "level"), type_file(dir + "type"), size_file(dir + "size");
-      int level = 0;
-      std::string type, text;
-      if (!(level_file >> level) || !(type_file >> type) || !(size_file >> text)) continue;
-      if (level != 2 || type == "Instruction") continue;
-      char* unit = nullptr;
-      int64_t value = std::strtoll(text.c_str(), &unit, 10);
-      if (*unit == 'K') value <<= 10;
-      if (*unit == 'M') value <<= 20;
-      if (value > 0) return value;
-    }
-    return int64_t{0};
-  }();
-  return bytes;
-}
 
 }  // namespace fused
 
@@ -675,7 +646,7 @@ int64_t reach_rows(const PlaneRows& r) {
 }
 
 int64_t band_budget() {
-  return l2_cache_bytes() / kBandL2Divisor;
+  return cache_bytes(2) / kBandL2Divisor;
 }
 
 // Rows per band of the banded walk: the bands as even as the budget allows, a multiple of the stride
@@ -897,8 +868,8 @@ bool depthwise_lanes_fits(const DirectProblem& p, at::ScalarType dtype) {
 
 std::optional<std::string> depthwise_bands_unsupported(const DirectProblem& p, at::ScalarType dtype) {
   if (p.in_per_group != 1 || p.groups == 1) return "not depthwise (groups == C_in > 1)";
-  const int64_t l2 = l2_cache_bytes(), budget = band_budget();
-  if (l2 == 0) return "the L2 cache size is unknown (neither sysconf nor /sys/devices/system/cpu reports it)";
+  const int64_t l2 = cache_bytes(2), budget = band_budget();
+  if (l2 == 0) return "the L2 cache size is unknown (neither /sys/devices/system/cpu nor sysconf reports it)";
   const PlaneRows r = plane_rows(p);
   const int64_t whole = band_tile_bytes(r, r.rows, dtype);
   if (whole <= l2) {

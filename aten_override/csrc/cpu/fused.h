@@ -423,9 +423,5 @@ constexpr int64_t kLanesChunk = 32;
 void add_to(const float* partial, double* total, int64_t n);
 void add_to(const double* partial, double* total, int64_t n);
 
-// Bytes of this machine's L2 cache per core as the OS reports it (sysconf, else cpu0's cache entries in
-// /sys), read once; 0 when neither says (cpu/depthwise.cpp).
-int64_t l2_cache_bytes();
-
 }  // namespace fused
 }  // namespace aten_override

@@ -320,10 +320,14 @@ void grouped_lanes_impl(
 
 }  // namespace
 
-// Largest channels per group (input or output side) and tile bytes per thread (they stay in L2)
-// the grouped kernel takes; larger groups are GEMMs that im2col serves well.
+// Largest channels per group (input or output side) the grouped kernel takes; larger groups are
+// GEMMs that im2col serves well. Its tiles per thread must stay in this machine's L2 (1 MiB where
+// the size cannot be read).
 constexpr int64_t kGroupedMaxChannels = 64;
-constexpr int64_t kGroupedMaxTileBytes = int64_t(1) << 20;
+int64_t grouped_max_tile_bytes() {
+  const int64_t l2 = cache_bytes(2);
+  return l2 > 0 ? l2 : int64_t{1} << 20;
+}
 
 bool grouped_lanes_applies(const DirectProblem& p, at::ScalarType dtype) {
   if (p.groups < 2 || p.in_per_group < 2 || p.in_per_group > kGroupedMaxChannels ||
@@ -332,7 +336,7 @@ bool grouped_lanes_applies(const DirectProblem& p, at::ScalarType dtype) {
   }
   const Plane g = make_plane(p, 1);
   const int64_t bytes = dtype == at::kDouble ? grouped_tiles<double>(p, g).bytes : grouped_tiles<float>(p, g).bytes;
-  return bytes <= kGroupedMaxTileBytes;
+  return bytes <= grouped_max_tile_bytes();
 }
 
 void grouped_lanes_backward_cpu(

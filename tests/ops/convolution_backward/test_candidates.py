@@ -233,3 +233,57 @@ def test_a_split_needs_both_gradients():
         ext.run_kernel("gemm-im2col+native", *args)
     with pytest.raises(ValueError, match="unknown kernel"):
         ext.run_kernel("native+native", *CALLS["dense 3x3"])
+
+
+def _sys_cache_bytes(level):
+    """cpu0's level-`level` data / unified cache from /sys, in bytes; None where /sys does not say."""
+    from pathlib import Path
+
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            found, kind, size = ((index / f).read_text().strip() for f in ("level", "type", "size"))
+        except OSError:
+            continue
+        if int(found) == level and kind != "Instruction":
+            return int(size.rstrip("KM")) << {"K": 10, "M": 20}.get(size[-1], 0)
+    return None
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_cache_sizes_are_the_machines(level):
+    """Tiles (depthwise bands, grouped lanes) and the autotuner's cache flush are sized by the caches
+    the kernel reports in /sys: glibc's sysconf said 320 MiB of L3 on an AMD EPYC VM with 32 MiB."""
+    expected = _sys_cache_bytes(level)
+    if expected is None:
+        pytest.skip(f"/sys reports no level-{level} cache here")
+    assert compiled.extension().cache_bytes(level) == expected
+    assert compiled.extension().cache_bytes(7) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+def test_non_finite_anywhere_is_declined(dtype, value):
+    """A kernel that sums over padding zeros declines a call with a non-finite weight (grad_input) or a
+    non-finite grad_weight: the scan must see one at any position of any dtype, across the parallel
+    chunks of a large tensor (2^16 elements each) and in a non-contiguous weight; finite tensors of
+    the same calls are not declined."""
+    ext = compiled.extension()
+    # Depthwise, 1024 channels x 9x9 taps: 82944 weight elements (two parallel chunks).
+    depthwise = _call(1024, 1024, 1024, 9, (9, 9), padding=4, batch=1, dtype=dtype, mask=(True, False, False))
+    assert ext.run_kernel("depthwise-lanes", *depthwise) is not None
+    numel = depthwise[2].numel()
+    for position in (0, numel // 2, (1 << 16) - 1, 1 << 16, numel - 1):
+        weight = depthwise[2].clone()
+        weight.view(-1)[position] = value
+        assert ext.run_kernel("depthwise-lanes", depthwise[0], depthwise[1], weight, *depthwise[3:]) is None, position
+    # A channels-last weight (not contiguous as NCHW) with the bad value in its last channel.
+    weight = depthwise[2].clone().contiguous(memory_format=torch.channels_last)
+    weight[-1, 0, -1, -1] = value
+    assert ext.run_kernel("depthwise-lanes", depthwise[0], depthwise[1], weight, *depthwise[3:]) is None
+    if dtype in (torch.float32, torch.float64):
+        # grad_weight (64 x 128 x 3 x 3 = 73728 elements) made non-finite by one input element.
+        dense = _call(128, 64, 1, 3, (6, 6), padding=1, batch=1, dtype=dtype, mask=(False, True, False))
+        assert ext.run_kernel("gemm-im2col", *dense) is not None
+        x = dense[1].clone()
+        x[0, -1, -1, -1] = value
+        assert ext.run_kernel("gemm-im2col", dense[0], x, *dense[2:]) is None
