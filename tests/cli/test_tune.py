@@ -35,7 +35,10 @@ def test_tune_fills_the_file_and_a_second_run_takes_it(tmp_path):
     assert f"3 signatures in {results} (3 tuned now" in first.stderr, first.stderr
     data = json.loads(results.read_text())
     assert data["header"] == autotune.header()
-    assert {e["kernel"] for e in data["entries"]} <= set(compiled.extension().kernel_names())
+    # A kernel, or a split "a+b" of two (which one wins is the machine's measurement).
+    parts = {part for e in data["entries"] for part in e["kernel"].split("+")}
+    assert parts <= set(compiled.extension().kernel_names()), data["entries"]
+    assert all(e["kernel"].count("+") <= 1 for e in data["entries"]), data["entries"]
     assert all(e["times_us"] for e in data["entries"])  # every tuned entry says what was timed
     second = run_python(["-m", "aten_override", "tune", "--file", str(results), str(script)])
     assert second.returncode == 0, second.stderr
