@@ -39,6 +39,14 @@ r2plus1d_18          R(2+1)D-18 in plain torch (``transformers`` has no convolut
                      of ``--frames`` x 112 x 112, cross entropy
 ==================== ==================================================================================
 
+``--autocast bfloat16`` runs each step's forward under ``torch.autocast("cpu", dtype=torch.bfloat16)``
+(the convolutions and their backward in bfloat16, as users train on AVX512_BF16 / AMX CPUs). Each
+model's step line also gives the minor page faults per step on each side: tensors over glibc's 32 MiB
+mmap limit are mapped anew, and page-faulted, at every allocation, 10^4 to 10^5 faults per step that
+vary from run to run and dominate a step's noise on a VM. ``--thp`` runs both sides with c10's
+``THP_MEM_ALLOC_ENABLE=1`` (large tensors on transparent huge pages: ~20x fewer faults), which
+PyTorch users can set for their own training too.
+
 ``--quick`` (under 3 minutes on 2 cores): mobilenet_v2, efficientnet_b0, resnet50 and wav2vec2_base
 at batch 2, 2 threads, 3 rounds of 1 step, 1 traced step per side.
 
@@ -46,6 +54,7 @@ Usage::
 
     python scripts/bench_training.py --quick
     python scripts/bench_training.py --models resnet50 efficientnet_b0 --threads 1 2 --csv train.csv
+    python scripts/bench_training.py --autocast bfloat16 --thp --threads 1
 
 Needs ``transformers`` (``pip install -e '.[bench]'``) for all models but r2plus1d_18.
 """
@@ -58,6 +67,7 @@ import csv
 import dataclasses
 import math
 import os
+import resource
 import statistics
 import sys
 import time
@@ -231,14 +241,25 @@ def step(w: Workload, opt: torch.optim.Optimizer) -> None:
     opt.step()
 
 
+# Minor page faults of each timed step, per side: fresh pages of the tensors glibc maps anew (those over
+# its 32 MiB mmap limit, or after it trimmed its heap). On a VM they cost ~1 us each and vary by 10^5
+# per step from run to run: the main noise in a step's time (see --thp).
+FAULTS: dict[str, list[int]] = defaultdict(list)
+
+
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def timed_steps(w: Workload, opt, name: str, steps: int) -> float:
-    """Median seconds of ``steps`` training steps on side ``name``."""
+    """Median seconds of ``steps`` training steps on side ``name`` (their page faults into FAULTS)."""
     times = []
     with side(name):
         for _ in range(steps):
-            start = time.perf_counter()
+            faults, start = minor_faults(), time.perf_counter()
             step(w, opt)
             times.append(time.perf_counter() - start)
+            FAULTS[name].append(minor_faults() - faults)
     return statistics.median(times)
 
 
@@ -248,6 +269,7 @@ def time_interleaved(w: Workload, opt, rounds: int, steps: int, warmup: int) -> 
     for name in SIDES:
         if warmup:
             timed_steps(w, opt, name, warmup)
+    FAULTS.clear()
     times, ratios = interleaved(lambda name: timed_steps(w, opt, name, steps), SIDES, rounds, reference="native")
     return times, ratios["compiled"]
 
@@ -338,7 +360,8 @@ def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, r
     print(f"\n== {w.name} ({w.shape}), {threads} threads ==")
     print(
         f"step: native {times['native'] * 1e3:.1f} ms, compiled {times['compiled'] * 1e3:.1f} ms, "
-        f"ratio {ratio:.2f} (median of {rounds} rounds' ratios)"
+        f"ratio {ratio:.2f} (median of {rounds} rounds' ratios); minor page faults per step (median): "
+        + ", ".join(f"{s} {statistics.median(FAULTS[s]):.0f}" for s in SIDES if FAULTS[s])
     )
     print(
         "conv backward share of a traced step: "
@@ -378,6 +401,10 @@ def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, r
         "native_conv_bwd_pct": shares["native"], "compiled_conv_bwd_pct": shares["compiled"],
         "native_conv_bwd_ms": conv_us["native"] / 1e3, "compiled_conv_bwd_ms": conv_us["compiled"] / 1e3,
         "conv_bwd_ratio": conv_ratio,
+        "dtype": str(AUTOCAST or torch.float32).removeprefix("torch."),
+        "thp": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
+        "native_faults": statistics.median(FAULTS["native"]) if FAULTS["native"] else float("nan"),
+        "compiled_faults": statistics.median(FAULTS["compiled"]) if FAULTS["compiled"] else float("nan"),
     }
 
 
@@ -416,8 +443,17 @@ def main(argv: list[str] | None = None) -> int:
         "--autocast", choices=["bfloat16"],
         help="run each step's forward under torch.autocast('cpu', dtype=...): the convolutions and their backward in that dtype",
     )
+    p.add_argument(
+        "--thp", action="store_true",
+        help="back both sides' large tensors with transparent huge pages (c10's THP_MEM_ALLOC_ENABLE=1; the "
+        "script re-runs itself with it set): ~20x fewer page faults per step, far less noise on a VM",
+    )
     p.add_argument("--csv", type=Path, help="also write the summary rows as CSV")
     args = p.parse_args(argv)
+    if args.thp and os.environ.get("THP_MEM_ALLOC_ENABLE") != "1" and argv is None:
+        # c10 reads it once, at its first allocation: run again with it set.
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     quick = args.quick
     args.models = args.models or list(QUICK_MODELS if quick else MODELS)
     args.threads = args.threads or ([2] if quick else [1, 2])
@@ -438,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_machine.header(machine), flush=True)
         if AUTOCAST is not None:
             print(f"steps under torch.autocast('cpu', dtype={AUTOCAST})", flush=True)
+        thp = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
+        print(f"large tensors on transparent huge pages (THP_MEM_ALLOC_ENABLE=1): {'yes' if thp else 'no'}", flush=True)
         for name in args.models:
             try:
                 w, opt = build(name, args)
