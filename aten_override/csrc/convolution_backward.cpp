@@ -155,11 +155,13 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "padding >= the dilated kernel on a short dim): torch 2.13's oneDNN path leaves that tap of grad_weight "
      "uninitialised (bfloat16: garbage values that change run to run) and segfaults computing grad_input of "
      "such transposed layers; also transposed layers whose input has width 1 under a wider kernel (e.g. "
-     "(N, C, 8, 1), kernel 3x3, stride 2: most of grad_input unwritten, no dead tap). Computed by native in "
-     "float32 (correct there) and rounded once, into native's layout. Also 3-D transposed layers on oneDNN, any "
+     "(N, C, 8, 1), kernel 3x3, stride 2: most of grad_input unwritten, no dead tap); and padded regular 3-D "
+     "layers (parts of both gradients unwritten, heap corruption). Computed in float32 (correct there) by the "
+     "compiled backend's own choice for the float32 call (native, or a kernel measured faster: gemm-kn2row on "
+     "R(2+1)D's 3x1x1 layers) and rounded once, into native's layout. Also 3-D transposed layers on oneDNN, any "
      "dtype but float64, with padding > stride in depth and no input position there meeting the whole kernel: "
-     "oneDNN's float32 grad_weight was wrong or corrupted the heap on some; computed by native in float64 (no "
-     "oneDNN there)"},
+     "oneDNN's float32 grad_weight was wrong or corrupted the heap on some; computed in float64 the same way "
+     "(no oneDNN there)"},
     {"grouped-lanes", "direct",
      "float32 / float64 / bfloat16, 1 < groups, 2 to 64 channels per group on each side, (C_in / groups) * "
      "(C_out / groups) > 64, some stride > 1, at least 2^20 grad_output elements, each group's tiles within "
@@ -878,10 +880,13 @@ Result gemm_backward(const Args& a, const Expanded& e, GemmAlgorithm algorithm) 
   return contiguous_kernel_backward(a, [&](auto&&... t) { gemm_backward_cpu(algorithm, direct_problem(a, e), t...); });
 }
 
-// The dead-taps class: native's result computed in `compute` (float32; float64 where native's
-// float32 oneDNN path is wrong too), rounded once into native's layout for the call's own dtype.
-// Only what the mask asks for is converted (a stride-0 placeholder for the unused tensor stays a
-// placeholder).
+Result serve_in_compute_dtype(const Args& f);
+
+// The dead-taps class: the call computed in `compute` (float32; float64 where native's float32
+// oneDNN path is wrong too) by the compiled backend's own choice for that call (measured, or the
+// table's: e.g. gemm-kn2row for R(2+1)D's padded 3x1x1 layers, where native's float32 path is its
+// slow 3-D one), rounded once into native's layout for the call's own dtype. Only what the mask asks
+// for is converted (a stride-0 placeholder for the unused tensor stays a placeholder).
 Result upcast_backward(const Args& a, at::ScalarType compute) {
   const OutputLayout layout = output_layout(a);
   const auto up = [compute](const at::Tensor& t, bool needed) {
@@ -892,7 +897,7 @@ Result upcast_backward(const Args& a, at::ScalarType compute) {
   const at::Tensor w = up(a.weight, a.output_mask[0]);
   const Args f{go, x, w, a.bias_sizes, a.stride, a.padding, a.dilation, a.transposed, a.output_padding, a.groups,
                a.output_mask};
-  auto [gi_up, gw_up, gb_up] = call_original(f);
+  auto [gi_up, gw_up, gb_up] = serve_in_compute_dtype(f);
   at::Tensor gi, gw, gb;
   if (a.output_mask[0]) gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt).copy_(gi_up);
   if (a.output_mask[1]) gw = empty_like_native_weight(a.weight, layout).copy_(gw_up);
@@ -1464,6 +1469,29 @@ Choice choose_kernel(const Args& a, const Expanded& e, LayerClass cls) {
   return choice;
 }
 
+// The choice for a checked call of class `cls` and its result (native's where the choice declines
+// the call's values).
+std::pair<Choice, Result> choose_and_run(const Args& a, const Expanded& e, LayerClass cls) {
+  Choice choice = choose_kernel(a, e, cls);
+  auto result = run_choice(choice, a, e);
+  if (!result) {
+    choice = Choice::whole(Kernel::Native);
+    result = run_kernel(Kernel::Native, a, e);
+  }
+  return {choice, std::move(*result)};
+}
+
+// The upcast copies of a dead-taps call, served like any call (their class cannot be dead-taps
+// again: float32 only where depth_without_full_row does not hold, float64 never), but counted as
+// part of the outer call: stats() and the tracer name the outer call's class and kernel ("upcast";
+// its tuning record, when it tuned, is this computation's).
+Result serve_in_compute_dtype(const Args& f) {
+  const Expanded e = check_args(f);
+  const LayerClass cls = classify(f, e);
+  TORCH_INTERNAL_ASSERT(cls != LayerClass::DeadTaps, "convolution_backward[compiled]: upcast call is dead-taps again");
+  return choose_and_run(f, e, cls).second;
+}
+
 // The compiled backend's result for a call it serves (unsupported_reason() was nullopt).
 Result compiled_backward(const Args& a) {
   const Expanded e = check_args(a);
@@ -1472,18 +1500,13 @@ Result compiled_backward(const Args& a) {
   last_call.tuned = false;
   last_call.times_us.clear();
   last_call.rejected.clear();
-  Choice choice = choose_kernel(a, e, cls);
-  auto result = run_choice(choice, a, e);
-  if (!result) {
-    choice = Choice::whole(Kernel::Native);
-    result = run_kernel(Kernel::Native, a, e);
-  }
+  auto [choice, result] = choose_and_run(a, e, cls);
   auto& c = counters();
   (choice.split() ? c.split[static_cast<int>(choice.gi)][static_cast<int>(choice.gw)]
                   : c.kernel[static_cast<int>(choice.gi)])
       .fetch_add(1, std::memory_order_relaxed);
   last_call.kernel = choice_name(choice);
-  return *result;
+  return result;
 }
 
 // --- the registered kernel ---------------------------------------------------------------------

@@ -48,11 +48,14 @@ dead-taps            upcast   bfloat16/float16 where native picks oneDNN and a k
                               padding: torch 2.13's oneDNN leaves that tap of grad_weight uninitialised
                               and segfaults on grad_input of such transposed layers; also transposed
                               layers of input width 1 under a wider kernel (most of grad_input left
-                              unwritten); native in float32, rounded once. Also 3-D transposed
-                              layers (any dtype but float64) with padding > stride in depth and no
-                              input position there that meets the whole kernel: oneDNN's float32
-                              grad_weight is wrong or
-                              corrupts the heap on some; native in float64
+                              unwritten), and padded regular 3-D layers (parts of both gradients left
+                              unwritten, heap corruption); computed in float32 by the compiled
+                              backend's own choice for the float32 call (native, or a kernel that
+                              measured faster: gemm-kn2row on R(2+1)D's 3x1x1 layers), rounded once.
+                              Also 3-D transposed layers (any dtype but float64) with padding > stride
+                              in depth and no input position there that meets the whole kernel:
+                              oneDNN's float32 grad_weight is wrong or corrupts the heap on some;
+                              computed in float64 the same way
                               (tests/ops/convolution_backward/test_native_defects.py)
 grouped-lanes        direct   float32/float64/bfloat16, more than 64 channel pairs per group, 2 to 64
                               channels on each side, some stride > 1, at least 2^20 grad_output

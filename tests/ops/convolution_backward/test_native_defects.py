@@ -311,3 +311,52 @@ def test_bfloat16_padded_3d_is_right_whatever_the_heap(name, backend):
     child = _run(_PADDED_3D_NATIVE_SCRIPT.format(name=name))
     if child.returncode == 0 and float(child.stdout.split()[-1]) < 2 ** -6:
         pytest.skip(f"the original kernel was right on {name} here (torch {torch.__version__}): revisit args.padded_3d")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_dead_taps_float32_copies_take_the_compiled_choice(dtype):
+    """A dead-taps call is computed on float32 copies by whatever serves that float32 call, not by
+    native's float32 path: R(2+1)D's padded 3x1x1 layer in bfloat16 took native's slow 3-D float32
+    path (1.2-1.6 s, 7x native's bfloat16) where the float32 call's own class, kn2row-3d, has
+    gemm-kn2row. The table's choice (autotune off) makes the kernel known: ours equals gemm-kn2row's
+    float32 result rounded once, and stats count one call of class dead-taps, kernel upcast."""
+    from aten_override.ops.convolution_backward import compiled
+    from aten_override.ops.convolution_backward.args import ConvolutionBackwardArgs
+
+    if compiled.unavailable_reason() is not None:
+        pytest.skip(compiled.unavailable_reason())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 6, 10, 10, generator=g)
+    w = torch.randn(16, 16, 3, 1, 1, generator=g)
+    go = torch.randn(2, 16, 6, 10, 10, generator=g)
+    f32 = (go, x, w, [16], [1, 1, 1], [1, 0, 0], [1, 1, 1], False, [0, 0, 0], 1, [True, True, True])
+    call = (go.to(dtype), x.to(dtype), w.to(dtype), *f32[3:])
+    if compiled.layer_class(ConvolutionBackwardArgs(*call)) != "dead-taps":
+        pytest.skip("native does not take oneDNN for this call here: not dead-taps")
+    up = tuple(t.to(dtype).float() if isinstance(t, torch.Tensor) else t for t in f32)
+    assert compiled.layer_class(ConvolutionBackwardArgs(*up)) == "kn2row-3d"
+    expected = compiled.extension().run_kernel("gemm-kn2row", *up)
+    aten_override.reset_stats()
+    with aten_override.enable("compiled", autotune=False):
+        ours = torch.ops.aten.convolution_backward.default(*call)
+    stats = aten_override.stats()
+    assert stats["compiled_layer_classes"] == {"dead-taps": 1}, stats
+    assert stats["compiled_kernels"] == {"upcast": 1}, stats
+    for o, e in zip(ours, expected):
+        assert o.dtype == dtype
+        torch.testing.assert_close(o, e.to(dtype), atol=0, rtol=0)
+    # Measured: the float32 call is tuned like any call, gemm-kn2row among its candidates (the
+    # bfloat16 call itself is not tunable: the one entry is the float32 call's; native's float32
+    # path alone tuned nothing).
+    from aten_override import autotune
+
+    autotune.clear()
+    try:
+        with aten_override.enable("compiled", autotune=True):
+            tuned = torch.ops.aten.convolution_backward.default(*call)
+        entries = autotune.entries()
+        assert len(entries) == 1 and "gemm-kn2row" in entries[0]["times_us"], entries
+        for o, e in zip(tuned, expected):
+            torch.testing.assert_close(o.float(), e, atol=0.05 * e.abs().max().item(), rtol=0)
+    finally:
+        autotune.clear()
