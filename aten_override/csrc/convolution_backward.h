@@ -10,6 +10,12 @@
 
 namespace aten_override {
 
+// Bytes of this machine's level-`level` data (or unified) cache as cpu0 sees it: the kernel's
+// /sys/devices/system/cpu/cpu0/cache entries (what lscpu shows), else sysconf; read once per level;
+// 0 when neither says. /sys comes first: on an AMD EPYC VM glibc's sysconf gave 320 MiB of L3 where
+// /sys (and the CPU) have 32 MiB. Tile bounds of the kernels and the autotuner's cache flush use it.
+int64_t cache_bytes(int level);
+
 // One non-transposed convolution, every spatial argument expanded to 3 dims (1-D and 2-D calls are
 // padded in front with size-1 dims: kernel 1, stride 1, padding 0, dilation 1).
 struct DirectProblem {
@@ -70,18 +76,13 @@ void gemm_backward_cpu(
 
 // The fused depthwise kernel (cpu/depthwise.cpp): groups == C_in (in_per_group == 1), any channel
 // multiplier. grad_input / grad_weight as above and grad_bias (C_out,), each computed when its pointer
-// is not null (then weight / input must be defined), all in one pass over grad_output, by one of two
-// walks: plane by plane, or with channels in the vector lanes over the whole padded plane (any plane
-// whose tiles fit depthwise_lanes_fits) or over bands of its rows sized to a share of the L2 cache
-// (planes whose whole-plane tiles exceed the L2: where depthwise_bands_unsupported gives no reason). All are candidates of the
-// autotuner; depthwise_table_walk is the table's choice (small or strided planes: lanes, else plane).
+// is not null (then weight / input must be defined), all in one pass over grad_output, by one of
+// three walks: plane by plane; with channels in the vector lanes over the whole padded plane (any
+// plane whose tiles fit depthwise_lanes_fits); or the same over bands of its rows sized to a share of
+// the L2 cache (planes whose whole-plane tiles exceed the L2: where depthwise_bands_unsupported gives
+// no reason). All are candidates of the autotuner; depthwise_table_walk is the table's choice (small
+// or strided planes: lanes, else plane).
 enum class DepthwiseWalk { Plane, Lanes, Bands };
-
-// Bytes of this machine's level-`level` data (or unified) cache as cpu0 sees it: the kernel's
-// /sys/devices/system/cpu/cpu0/cache entries (what lscpu shows), else sysconf; read once per level;
-// 0 when neither says. /sys comes first: on an AMD EPYC VM glibc's sysconf gave 320 MiB of L3 where
-// /sys (and the CPU) have 32 MiB.
-int64_t cache_bytes(int level);
 bool depthwise_lanes_fits(const DirectProblem& p, at::ScalarType dtype);
 std::optional<std::string> depthwise_bands_unsupported(const DirectProblem& p, at::ScalarType dtype);
 DepthwiseWalk depthwise_table_walk(const DirectProblem& p, at::ScalarType dtype);
