@@ -31,7 +31,7 @@ def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_siz
     (2, 16, 8, 1) bf16``, kernel 3x3, stride 2) it leaves most of bfloat16 ``grad_input`` unwritten.
     3-D transposed layers with padding > stride in depth and no full input row there
     (:func:`depth_without_full_row`) get a wrong ``grad_weight`` or a corrupted heap in every dtype
-    but float64; regular padded 3-D bfloat16 layers (``args.padded_3d``) get unwritten outputs, and a
+    but float64; regular padded 3-D bfloat16 layers with a dim shorter than the kernel (``args.padded_3d``) get unwritten outputs, and a
     corrupted heap has aborted a test process after one. A crash or garbage cannot be compared against, so the fuzzer draws these calls in
     float32, or float64 where float32 is affected too.
     """

@@ -48,8 +48,8 @@ dead-taps            upcast   bfloat16/float16 where native picks oneDNN and a k
                               padding: torch 2.13's oneDNN leaves that tap of grad_weight uninitialised
                               and segfaults on grad_input of such transposed layers; also transposed
                               layers of input width 1 under a wider kernel (most of grad_input left
-                              unwritten), and padded regular 3-D layers (parts of both gradients left
-                              unwritten, heap corruption); computed in float32 by the compiled
+                              unwritten), and padded regular 3-D layers with a dim shorter than the
+                              kernel (parts of both gradients left unwritten, heap corruption); computed in float32 by the compiled
                               backend's own choice for the float32 call (native, or a kernel that
                               measured faster: gemm-kn2row on R(2+1)D's 3x1x1 layers), rounded once.
                               Also 3-D transposed layers (any dtype but float64) with padding > stride

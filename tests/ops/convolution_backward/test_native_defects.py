@@ -316,7 +316,7 @@ def test_bfloat16_padded_3d_is_right_whatever_the_heap(name, backend):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_dead_taps_float32_copies_take_the_compiled_choice(dtype):
     """A dead-taps call is computed on float32 copies by whatever serves that float32 call, not by
-    native's float32 path: R(2+1)D's padded 3x1x1 layer in bfloat16 took native's slow 3-D float32
+    native's float32 path: R(2+1)D's padded 3x1x1 layers in bfloat16 took native's slow 3-D float32
     path (1.2-1.6 s, 7x native's bfloat16) where the float32 call's own class, kn2row-3d, has
     gemm-kn2row. The table's choice (autotune off) makes the kernel known: ours equals gemm-kn2row's
     float32 result rounded once, and stats count one call of class dead-taps, kernel upcast."""
@@ -326,11 +326,11 @@ def test_dead_taps_float32_copies_take_the_compiled_choice(dtype):
     if compiled.unavailable_reason() is not None:
         pytest.skip(compiled.unavailable_reason())
     g = torch.Generator().manual_seed(0)
-    # 2^18 grad_output elements: kn2row-3d whichever path native takes in float32 (Slow3d at one
-    # thread, oneDNN at more).
-    x = torch.randn(2, 16, 8, 32, 32, generator=g)
+    # Depth 2 under a kernel of 3, padded (args.padded_3d); 2^18 grad_output elements: kn2row-3d
+    # whichever path native takes in float32 (Slow3d at one thread, oneDNN at more).
+    x = torch.randn(2, 16, 2, 64, 64, generator=g)
     w = torch.randn(16, 16, 3, 1, 1, generator=g)
-    go = torch.randn(2, 16, 8, 32, 32, generator=g)
+    go = torch.randn(2, 16, 2, 64, 64, generator=g)
     f32 = (go, x, w, [16], [1, 1, 1], [1, 0, 0], [1, 1, 1], False, [0, 0, 0], 1, [True, True, True])
     call = (go.to(dtype), x.to(dtype), w.to(dtype), *f32[3:])
     if compiled.layer_class(ConvolutionBackwardArgs(*call)) != "dead-taps":
