@@ -156,9 +156,10 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "uninitialised (bfloat16: garbage values that change run to run) and segfaults computing grad_input of "
      "such transposed layers; also transposed layers whose input has width 1 under a wider kernel (e.g. "
      "(N, C, 8, 1), kernel 3x3, stride 2: most of grad_input unwritten, no dead tap); and padded regular 3-D "
-     "layers with a dim shorter than the dilated kernel (parts of both gradients unwritten, heap corruption). Computed in float32 (correct there) by the "
-     "compiled backend's own choice for the float32 call (native, or a kernel measured faster: gemm-kn2row on "
-     "R(2+1)D's 3x1x1 layers) and rounded once, into native's layout. Also 3-D transposed layers on oneDNN, any "
+     "layers with a dim shorter than the dilated kernel (parts of both gradients unwritten, heap "
+     "corruption). Computed in float32 (correct there) by the compiled backend's own choice for the float32 "
+     "call (native, or a kernel measured faster: gemm-kn2row on R(2+1)D's 3x1x1 layers) and rounded once, "
+     "into native's layout. Also 3-D transposed layers on oneDNN, any "
      "dtype but float64, with padding > stride in depth and no input position there meeting the whole kernel: "
      "oneDNN's float32 grad_weight was wrong or corrupted the heap on some; computed in float64 the same way "
      "(no oneDNN there)"},
@@ -176,7 +177,7 @@ enum class Kernel : int {
   Native = 0,    // the original kernel
   Zeros,         // upstream's Empty backend (empty_backward)
   Sum,           // grad_bias alone
-  Upcast,        // native in float32 / float64 (the dead-taps class)
+  Upcast,        // float32 / float64 copies, served by this backend's choice for them (the dead-taps class)
   DepthwisePlane,  // cpu/depthwise.cpp, plane by plane
   DepthwiseLanes,  // cpu/depthwise.cpp, channels in the vector lanes
   DepthwiseBands,  // cpu/depthwise.cpp, channels in the vector lanes, in bands of rows sized to L2
