@@ -185,13 +185,15 @@ enum class Kernel : int {
   GroupedLanes,  // cpu/grouped.cpp
   GemmIm2col,    // cpu/gemm.cpp, im2col + GEMM
   GemmKn2row,    // cpu/gemm.cpp, one GEMM per tap
+  Winograd,      // cpu/winograd.cpp, grad_input F(2x2, 3x3), grad_weight F(3x3, 2x2)
   Test,          // a fake candidate for the autotuner's tests (set_test_candidate); never otherwise
   Count
 };
 
 constexpr const char* kKernelNames[] = {"native",          "zeros",           "sum",           "upcast",
                                         "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct",
-                                        "grouped-lanes",   "gemm-im2col",     "gemm-kn2row",   "test"};
+                                        "grouped-lanes",   "gemm-im2col",     "gemm-kn2row",   "winograd",
+                                        "test"};
 static_assert(sizeof(kKernelNames) / sizeof(kKernelNames[0]) == static_cast<size_t>(Kernel::Count));
 
 
@@ -886,6 +888,11 @@ Result gemm_backward(const Args& a, const Expanded& e, GemmAlgorithm algorithm) 
   return contiguous_kernel_backward(a, [&](auto&&... t) { gemm_backward_cpu(algorithm, direct_problem(a, e), t...); });
 }
 
+// The Winograd kernels' result, in upstream's layout (cpu/winograd.cpp).
+Result winograd_backward(const Args& a, const Expanded& e) {
+  return contiguous_kernel_backward(a, [&](auto&&... t) { winograd_backward_cpu(direct_problem(a, e), t...); });
+}
+
 Result serve_in_compute_dtype(const Args& f);
 
 // The dead-taps class: the call computed in `compute` (float32; float64 where native's float32
@@ -1068,6 +1075,7 @@ std::optional<std::string> candidate_unsupported(Kernel k, const Args& a, const 
     case Kernel::GemmKn2row:
       if (full && kn2row_applies(p)) return std::nullopt;
       return "not stride 1 with taps in one dim, or reduced precision";
+    case Kernel::Winograd: return winograd_unsupported(p);
     case Kernel::Test:
       if (test_candidate().load() != TestCandidate::Off) return std::nullopt;
       return "test candidate off";
@@ -1115,16 +1123,22 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
     case Kernel::Direct:
     case Kernel::GroupedLanes:
     case Kernel::GemmIm2col:
-    case Kernel::GemmKn2row: {
+    case Kernel::GemmKn2row:
+    case Kernel::Winograd: {
       const bool gemm = k == Kernel::GemmIm2col || k == Kernel::GemmKn2row;
+      const bool winograd = k == Kernel::Winograd;
       if (cpu && !gemm && a.output_mask[0] && !all_finite(a.weight)) return std::nullopt;
-      auto result = k == Kernel::GroupedLanes ? grouped_lanes_backward(a, e)
+      auto result = winograd                  ? winograd_backward(a, e)
+          : k == Kernel::GroupedLanes         ? grouped_lanes_backward(a, e)
           : k == Kernel::GemmIm2col           ? gemm_backward(a, e, GemmAlgorithm::Im2col)
           : k == Kernel::GemmKn2row           ? gemm_backward(a, e, GemmAlgorithm::Kn2row)
           : k == Kernel::DepthwiseLanes       ? direct_backward(a, e, DepthwiseWalk::Lanes)
           : k == Kernel::DepthwiseBands       ? direct_backward(a, e, DepthwiseWalk::Bands)
                                               : direct_backward(a, e, DepthwiseWalk::Plane);
       if (cpu && a.output_mask[1] && !all_finite(std::get<1>(result))) return std::nullopt;
+      // A Winograd tile mixes its positions: one inf in grad_output is NaN across the tile (inf - inf)
+      // where native has finite values, so such calls get native's result.
+      if (winograd && a.output_mask[0] && !all_finite(std::get<0>(result))) return std::nullopt;
       return result;
     }
     case Kernel::Test: {

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(compiled.unavailable_reason() is not None, reaso
 # The kernels the autotuner chooses between (not the correctness classes zeros / sum / upcast, nor
 # the autotuner's fake test candidate).
 CANDIDATES = ("native", "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct", "grouped-lanes", "gemm-im2col",
-              "gemm-kn2row")
+              "gemm-kn2row", "winograd")
 
 
 def _call(c_in, c_out, groups, kernel, spatial, *, stride=1, padding=0, dilation=1, batch=2,
@@ -85,14 +85,31 @@ def _calls():
         "1-D k3 s2 (wav2vec2 feature encoder)": _call(16, 16, 1, 3, (199,), stride=2),
         "3x1x1 (R(2+1)D)": _call(8, 8, 1, 1, (6, 7, 7)),
         "3-D 3x3x3": _call(4, 6, 1, 3, (5, 6, 6), padding=1),
+        # winograd (3x3 stride 1, groups 1): padding 0-2, odd and tiny planes (partial tiles, tiles
+        # reaching past the plane), channels not a multiple of the vector width, several tile chunks
+        # with a partial last one (ResNet's 56x56 stage at 64 channels), every dtype, channels-last
+        "3x3 p0 odd 7x9": _call(3, 5, 1, 3, (7, 9), batch=3),
+        "3x3 p2 17->33 5x6": _call(17, 33, 1, 3, (5, 6), padding=2, batch=1),
+        "3x3 p1 1x1 plane": _call(4, 4, 1, 3, (1, 1), padding=1),
+        "3x3 p1 64->64 56x22 (ResNet-50 stage 1)": _call(64, 64, 1, 3, (56, 22), padding=1),
+        "3x3 p1 bf16": _call(20, 18, 1, 3, (13, 11), padding=1, dtype=torch.bfloat16, batch=3),
+        "3x3 p1 f16": _call(16, 24, 1, 3, (9, 10), padding=1, dtype=torch.float16),
+        "3x3 p1 f64": _call(9, 7, 1, 3, (11, 8), padding=1, dtype=torch.float64),
+        "3x3 p1 channels_last": _call(24, 40, 1, 3, (12, 15), padding=1, channels_last=True),
     }
     # kn2row: taps in one dim only
     go, x, w, *rest = _call(8, 8, 1, 1, (6, 7, 7))
     w3 = torch.randn(8, 8, 3, 1, 1, generator=torch.Generator().manual_seed(1))
     go3 = torch.randn(2, 8, 4, 7, 7, generator=torch.Generator().manual_seed(2))
     calls["3x1x1 (R(2+1)D)"] = (go3, x, w3, [8], [1, 1, 1], [0, 0, 0], [1, 1, 1], False, [0, 0, 0], 1, [True, True, True])
+    # R(2+1)D's spatial 1x3x3 layers: depth folded into the batch
+    g = torch.Generator().manual_seed(3)
+    x5, w5, go5 = torch.randn(2, 6, 3, 9, 8, generator=g), torch.randn(10, 6, 1, 3, 3, generator=g), torch.randn(2, 10, 3, 9, 8, generator=g)
+    calls["1x3x3 p(0,1,1) (R(2+1)D spatial)"] = (go5, x5, w5, [10], [1, 1, 1], [0, 1, 1], [1, 1, 1], False, [0, 0, 0], 1,
+                                                 [True, True, True])
     for mask in ((True, False, False), (False, True, True), (False, True, False)):
         bits = "".join("1" if m else "0" for m in mask)
+        calls[f"3x3 p1 mask {bits}"] = _call(12, 20, 1, 3, (10, 13), padding=1, mask=mask)
         calls[f"depthwise 56x56 mask {bits}"] = _call(18, 18, 18, 3, (20, 56), padding=1, mask=mask)
         calls[f"depthwise 112x112 s2 mask {bits}"] = _call(17, 17, 17, 3, (112, 112), stride=2, padding=1, batch=1,
                                                            mask=mask)
@@ -161,6 +178,35 @@ def test_depthwise_bands_decline_small_planes_and_say_why():
         ext.run_kernel("depthwise-bands", *reach)
 
 
+def test_winograd_declines_non_finite_grad_output_and_weight():
+    """A Winograd tile mixes its 4x4 positions (B^T d B, then A^T M A): one inf in grad_output is
+    inf - inf = NaN across the tile and its neighbours' outputs, where native has finite values. So
+    the kernel declines (native's result serves) whenever grad_input or grad_weight is not finite,
+    and when the weight is not (the tuner's and the table's contract for kernels that sum over
+    padding zeros)."""
+    ext = compiled.extension()
+    args = _call(8, 8, 1, 3, (12, 12), padding=1)
+    assert ext.run_kernel("winograd", *args) is not None
+    for index, value in (((0, 0, 0, 0), float("inf")), ((1, 7, 5, 6), float("-inf")), ((1, 7, 11, 11), float("nan"))):
+        go = args[0].clone()
+        go[index] = value
+        assert ext.run_kernel("winograd", go, *args[1:]) is None, index
+        gi_only = (go, *args[1:-1], [True, False, False])
+        assert ext.run_kernel("winograd", *gi_only) is None, index
+    w = args[2].clone()
+    w[3, 2, 1, 1] = float("inf")
+    assert ext.run_kernel("winograd", args[0], args[1], w, *args[3:-1], [True, False, False]) is None
+
+
+def test_winograd_is_deterministic():
+    """Two runs give the same bits (fixed tile chunks, GEMMs in a fixed order, no atomics)."""
+    ext = compiled.extension()
+    args = CALLS["3x3 p1 64->64 56x22 (ResNet-50 stage 1)"]
+    first, second = ext.run_kernel("winograd", *args), ext.run_kernel("winograd", *args)
+    for a, b in zip(first, second):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 def test_depthwise_bands_are_deterministic():
     """Two runs give the same bits, and so do 1 and 2 threads (tasks are blocks of channels; bands run
     in a fixed order within a task)."""
@@ -190,6 +236,14 @@ def test_a_kernel_that_cannot_compute_a_call_says_why():
         ext.run_kernel("gemm-kn2row", *CALLS["dense 3x3"])
     with pytest.raises(ValueError, match="unknown kernel"):
         ext.run_kernel("depthwise", *CALLS["dense 3x3"])
+    for call, why in (("1-D k3 s2 (wav2vec2 feature encoder)", "kernel not 3x3"), ("grouped 16 per group s2", "grouped"),
+                      ("3-D 3x3x3", r"kernel not 3x3 \(or 1x3x3\)"), ("pointwise s2", "kernel not 3x3")):
+        with pytest.raises(ValueError, match=f"winograd cannot compute this call: {why}"):
+            ext.run_kernel("winograd", *CALLS[call])
+    for change, why in ((dict(stride=2), "strided"), (dict(dilation=2, padding=2), "dilated"),
+                        (dict(padding=3), "padding not the same in H and W, at most 2")):
+        with pytest.raises(ValueError, match=f"winograd cannot compute this call: {why}"):
+            ext.run_kernel("winograd", *_call(8, 8, 1, 3, (12, 12), **change))
     # lanes tiles beyond 16 MiB: a 1-D plane of 2^20 positions (16 lanes x 4 bytes x 3 tiles)
     big = _call(16, 16, 16, 3, (1 << 20,), padding=1, batch=1)
     with pytest.raises(ValueError, match="exceed 16 MiB"):
