@@ -27,10 +27,11 @@
 // Layout: grad_output and input are transposed once (16x16 blocks, cpu/fused.h) into [position]
 // [channel] planes, channels padded to the vector width with zeros; the transforms are vectorized over
 // channels. Tiles are processed in chunks whose transformed tiles fit the L2 cache read from the
-// machine, so each chunk goes from the transform through its GEMMs to the output transform without a
-// round trip to memory. Transforms are parallel over tiles, the GEMMs use the library's threads.
+// machine (one thread's), so each chunk goes from the transform through its GEMMs to the output
+// transform without a round trip to memory. Threads take contiguous runs of chunks, each with
+// single-threaded GEMMs (see Split); grad_weight's per-thread sums are added in a fixed order.
 // float16 / bfloat16 compute in float32, float32 in float32, float64 in float64. No atomics: two runs
-// give the same bits.
+// at one thread count give the same bits (grad_weight's differ between thread counts).
 #include "fused.h"
 
 #include <ATen/ATen.h>
@@ -241,12 +242,10 @@ ATEN_OVERRIDE_CLONES void run_range_d(
   run_range(tr, g, src, dst, begin, end);
 }
 
-// One transform pass, parallel over its tiles (tile passes) or rows (tap passes).
+// A tap pass (Weight4, Taps4), parallel over its rows.
 template <typename acc_t>
-void run(Transform tr, const Pass& g, const acc_t* src, acc_t* dst) {
-  const bool taps = tr == Transform::Weight4 || tr == Transform::Taps4;
-  const int64_t begin = taps ? 0 : g.t0, end = taps ? g.rows : g.t1;
-  at::parallel_for(begin, end, taps ? 4 : 16, [&](int64_t b, int64_t e) {
+void run_taps(Transform tr, const Pass& g, const acc_t* src, acc_t* dst) {
+  at::parallel_for(0, g.rows, 4, [&](int64_t b, int64_t e) {
     if constexpr (std::is_same_v<acc_t, float>) {
       run_range_f(tr, g, src, dst, b, e);
     } else {
@@ -331,13 +330,35 @@ void store_taps(const acc_t* taps, int64_t K, int64_t C, scalar_t* w) {
   });
 }
 
-// Tiles per chunk: the chunk's two transformed operands (alpha^2 x tiles x channels each) within the
-// L2 cache read from the machine (per thread, all threads' share), at least 64 tiles.
-int64_t chunk_tiles(int64_t alpha, int64_t channels_a, int64_t channels_b, int64_t element, int64_t tiles) {
+// Tiles per chunk: a chunk's two transformed operands (16 x tiles x channels each) within the L2
+// cache read from the machine (one thread's), at least 64 tiles (the GEMMs' rows).
+int64_t chunk_tiles(int64_t channels_a, int64_t channels_b, int64_t element, int64_t tiles) {
   const int64_t l2 = std::max<int64_t>(cache_bytes(2), int64_t{256} << 10);
-  const int64_t per_tile = alpha * alpha * (channels_a + channels_b) * element;
-  const int64_t fit = l2 * at::get_num_threads() / per_tile;
-  return std::min(tiles, std::max<int64_t>(fit, 64));
+  const int64_t per_tile = 16 * (channels_a + channels_b) * element;
+  return std::max<int64_t>(1, std::min(tiles, std::max<int64_t>(l2 / per_tile, 64)));
+}
+
+// The chunks of `tiles` split into contiguous runs, one per task of at::parallel_for (at most one per
+// thread, at most max_tasks): task g takes chunks [g * chunks / tasks, (g + 1) * chunks / tasks). Each
+// task runs its chunks' transforms and GEMMs on one thread, so the GEMMs are single-threaded and the
+// chunk stays in that core's L2 (measured: 16 small GEMMs per chunk on all threads lost to native at
+// 2 threads). One task runs on the calling thread, its GEMMs on the library's threads.
+struct Split {
+  int64_t tiles, chunk, chunks, tasks;
+  Split(int64_t tiles_, int64_t chunk_, int64_t max_tasks)
+      : tiles(tiles_), chunk(chunk_), chunks((tiles_ + chunk_ - 1) / chunk_),
+        tasks(std::max<int64_t>(1, std::min<int64_t>({chunks, at::get_num_threads(), max_tasks}))) {}
+  int64_t first_tile(int64_t task) const { return std::min(tiles, task * chunks / tasks * chunk); }
+};
+
+// One transform pass over a chunk on the calling thread.
+template <typename acc_t>
+void run_serial(Transform tr, const Pass& g, const acc_t* src, acc_t* dst) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    run_range_f(tr, g, src, dst, g.t0, g.t1);
+  } else {
+    run_range_d(tr, g, src, dst, g.t0, g.t1);
+  }
 }
 
 template <typename scalar_t, typename acc_t>
@@ -353,64 +374,81 @@ void grad_input_impl(const DirectProblem& p, const at::Tensor& go, const at::Ten
   at::Tensor u = at::empty({16, K, Cp}, options);
   Pass weight_pass;
   weight_pass.channels = Cp, weight_pass.rows = K, weight_pass.flip = true;
-  run(Transform::Weight4, weight_pass, w_taps.const_data_ptr<acc_t>(), u.mutable_data_ptr<acc_t>());
-  const int64_t tiles_h = (H + 1) / 2, tiles_w = (W + 1) / 2, tiles = N * D * tiles_h * tiles_w;
-  const int64_t chunk = chunk_tiles(4, Kp, Cp, sizeof(acc_t), tiles);
-  at::Tensor v = at::empty({16, chunk, Kp}, options), m = at::empty({16, chunk, Cp}, options);
+  run_taps(Transform::Weight4, weight_pass, w_taps.const_data_ptr<acc_t>(), u.mutable_data_ptr<acc_t>());
+  const int64_t tiles_h = (H + 1) / 2, tiles_w = (W + 1) / 2;
+  const Split split(N * D * tiles_h * tiles_w, chunk_tiles(Kp, Cp, sizeof(acc_t), N * D * tiles_h * tiles_w),
+                    at::get_num_threads());
   at::Tensor gi_planes = at::empty({N * D, H, W, Cp}, options);
   const int64_t offset = 2 - p.padding[1];
-  for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
-    const int64_t t1 = std::min(tiles, t0 + chunk), n = t1 - t0;
-    at::Tensor vc = n < chunk ? at::empty({16, n, Kp}, options) : v;
-    at::Tensor mc = n < chunk ? at::empty({16, n, Cp}, options) : m;
-    run(Transform::Data4, Pass{Ho, Wo, Kp, tiles_h, tiles_w, 2, offset, t0, t1}, go_planes.const_data_ptr<acc_t>(),
-        vc.mutable_data_ptr<acc_t>());
-    at::bmm_out(mc, vc.narrow(2, 0, K), u);
-    run(Transform::Output2, Pass{H, W, Cp, tiles_h, tiles_w, 2, 0, t0, t1}, mc.const_data_ptr<acc_t>(),
-        gi_planes.mutable_data_ptr<acc_t>());
-  }
+  at::parallel_for(0, split.tasks, 1, [&](int64_t begin, int64_t end) {
+    at::Tensor v = at::empty({16, split.chunk, Kp}, options), m = at::empty({16, split.chunk, Cp}, options);
+    for (int64_t t0 = split.first_tile(begin); t0 < split.first_tile(end); t0 += split.chunk) {
+      const int64_t t1 = std::min(split.first_tile(end), t0 + split.chunk), n = t1 - t0;
+      at::Tensor vc = n < split.chunk ? at::empty({16, n, Kp}, options) : v;
+      at::Tensor mc = n < split.chunk ? at::empty({16, n, Cp}, options) : m;
+      run_serial(Transform::Data4, Pass{Ho, Wo, Kp, tiles_h, tiles_w, 2, offset, t0, t1},
+                 go_planes.const_data_ptr<acc_t>(), vc.mutable_data_ptr<acc_t>());
+      at::bmm_out(mc, vc.narrow(2, 0, K), u);
+      run_serial(Transform::Output2, Pass{H, W, Cp, tiles_h, tiles_w, 2, 0, t0, t1}, mc.const_data_ptr<acc_t>(),
+                 gi_planes.mutable_data_ptr<acc_t>());
+    }
+  });
   store_planes<scalar_t, acc_t>(gi_planes.const_data_ptr<acc_t>(), N, C, D * H * W, gi.mutable_data_ptr<scalar_t>());
 }
 
 template <typename scalar_t, typename acc_t>
 void grad_weight_impl(const DirectProblem& p, const at::Tensor& go, const at::Tensor& x, at::Tensor& gw) {
   constexpr int64_t L = fused::Vec<acc_t>::size;
-  constexpr int64_t m = 2, alpha = 4, xi = 16;
   const int64_t N = p.batch, K = p.out_per_group, C = p.in_per_group, D = p.in[0];
   const int64_t H = p.in[1], W = p.in[2], Ho = p.out[1], Wo = p.out[2];
   const int64_t Kp = round_up(K, L), Cp = round_up(C, L);
   const at::Tensor go_planes = planes_of<scalar_t, acc_t>(go, N, K, D * Ho * Wo);
   const at::Tensor x_planes = planes_of<scalar_t, acc_t>(x, N, C, D * H * W);
-  const int64_t tiles_h = (Ho + m - 1) / m, tiles_w = (Wo + m - 1) / m, tiles = N * D * tiles_h * tiles_w;
-  const int64_t chunk = chunk_tiles(alpha, Kp, Cp, sizeof(acc_t), tiles);
+  const int64_t tiles_h = (Ho + 1) / 2, tiles_w = (Wo + 1) / 2;
+  // Each task sums its chunks into its own M (16, C_out, Cp); the tasks' sums are added in task order.
+  // Tasks beyond the first cost one M each: at most as many as fit in the bytes of the two planes (so
+  // the workspace stays proportional to the layer's tensors whatever the thread count: a 1024-channel
+  // layer on 16x16 planes takes one task, 64 MiB, not one per thread).
+  const int64_t sum_bytes = 16 * K * Cp * static_cast<int64_t>(sizeof(acc_t));
+  const int64_t planes_bytes = go_planes.nbytes() + x_planes.nbytes();
+  const Split split(N * D * tiles_h * tiles_w, chunk_tiles(Kp, Cp, sizeof(acc_t), N * D * tiles_h * tiles_w),
+                    1 + planes_bytes / sum_bytes);
   const auto options = go_planes.options();
-  at::Tensor h = at::empty({xi, chunk, Kp}, options), v = at::empty({xi, chunk, Cp}, options);
-  at::Tensor sum = at::empty({xi, K, Cp}, options);
-  for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
-    const int64_t t1 = std::min(tiles, t0 + chunk), n = t1 - t0;
-    at::Tensor hc = n < chunk ? at::empty({xi, n, Kp}, options) : h;
-    at::Tensor vc = n < chunk ? at::empty({xi, n, Cp}, options) : v;
-    run(Transform::GradOutput4, Pass{Ho, Wo, Kp, tiles_h, tiles_w, m, 0, t0, t1}, go_planes.const_data_ptr<acc_t>(),
-        hc.mutable_data_ptr<acc_t>());
-    run(Transform::Data4, Pass{H, W, Cp, tiles_h, tiles_w, m, p.padding[1], t0, t1}, x_planes.const_data_ptr<acc_t>(),
-        vc.mutable_data_ptr<acc_t>());
-    const at::Tensor ht = hc.narrow(2, 0, K).transpose(1, 2);
-    if (t0 == 0) {
-      at::bmm_out(sum, ht, vc);
-    } else {
-      sum.baddbmm_(ht, vc);
+  at::Tensor sums = at::empty({split.tasks, 16, K, Cp}, options);
+  at::parallel_for(0, split.tasks, 1, [&](int64_t begin, int64_t end) {
+    at::Tensor h = at::empty({16, split.chunk, Kp}, options), v = at::empty({16, split.chunk, Cp}, options);
+    for (int64_t task = begin; task < end; ++task) {
+      at::Tensor sum = sums[task];
+      for (int64_t t0 = split.first_tile(task); t0 < split.first_tile(task + 1); t0 += split.chunk) {
+        const int64_t t1 = std::min(split.first_tile(task + 1), t0 + split.chunk), n = t1 - t0;
+        at::Tensor hc = n < split.chunk ? at::empty({16, n, Kp}, options) : h;
+        at::Tensor vc = n < split.chunk ? at::empty({16, n, Cp}, options) : v;
+        run_serial(Transform::GradOutput4, Pass{Ho, Wo, Kp, tiles_h, tiles_w, 2, 0, t0, t1},
+                   go_planes.const_data_ptr<acc_t>(), hc.mutable_data_ptr<acc_t>());
+        run_serial(Transform::Data4, Pass{H, W, Cp, tiles_h, tiles_w, 2, p.padding[1], t0, t1},
+                   x_planes.const_data_ptr<acc_t>(), vc.mutable_data_ptr<acc_t>());
+        const at::Tensor ht = hc.narrow(2, 0, K).transpose(1, 2);
+        if (t0 == split.first_tile(task)) {
+          at::bmm_out(sum, ht, vc);
+        } else {
+          sum.baddbmm_(ht, vc);
+        }
+      }
     }
-  }
+  });
+  at::Tensor sum = sums[0];
+  for (int64_t task = 1; task < split.tasks; ++task) sum.add_(sums[task]);
   at::Tensor taps = at::empty({9, K, Cp}, options);
   Pass taps_pass;
   taps_pass.channels = Cp, taps_pass.rows = K;
-  run(Transform::Taps4, taps_pass, sum.const_data_ptr<acc_t>(), taps.mutable_data_ptr<acc_t>());
+  run_taps(Transform::Taps4, taps_pass, sum.const_data_ptr<acc_t>(), taps.mutable_data_ptr<acc_t>());
   store_taps<scalar_t, acc_t>(taps.const_data_ptr<acc_t>(), K, C, gw.mutable_data_ptr<scalar_t>());
 }
 
 }  // namespace
 
 std::optional<std::string> winograd_unsupported(const DirectProblem& p) {
+  if (p.batch == 0 || p.in_per_group == 0 || p.out_per_group == 0) return "empty (zero batch or channels)";
   if (p.groups != 1) return "grouped (groups > 1)";
   if (p.kernel[0] != 1 || p.kernel[1] != 3 || p.kernel[2] != 3) return "kernel not 3x3 (or 1x3x3)";
   for (int i = 0; i < 3; ++i) {

@@ -25,7 +25,10 @@ one-channel          direct   ``groups == 1, C_in == 1`` (wav2vec2's first layer
 small-planes         native   grouped / one-channel with under 64 output elements per channel: the
                               direct kernel's per-plane cost loses there (depthwise stays depthwise)
 dense                native   dense 1-D/2-D layers, and what the GEMM classes below leave to native:
-                              native is near the hardware limit there, or as fast
+                              native is near the hardware limit there, or as fast. The autotuner also
+                              measures gemm-im2col there and, on 3x3 stride-1 layers, winograd
+                              (``csrc/cpu/winograd.cpp``: F(2x2,3x3) grad_input, F(3x3,2x2) grad_weight,
+                              2.25x fewer multiplications than native's oneDNN)
 transposed           native   no compiled kernel yet
 bias-only            sum      ``output_mask`` asks for neither grad_input nor grad_weight: grad_bias is
                               grad_output's sum (whatever the weight: zero output channels or kernel size too)

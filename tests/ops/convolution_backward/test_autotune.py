@@ -83,12 +83,13 @@ def test_tunes_once_and_reuses_the_winner():
 
 
 def test_native_wins_when_every_candidate_is_slower():
-    """A float16 dense layer: no kernel of ours applies, so the candidates are native and the fake
-    slow one (native's result, then as long again busy): native wins."""
+    """A float16 dense dilated layer: no kernel of ours applies (winograd: undilated only; the GEMM
+    kernels: float16 not), so the candidates are native and the fake slow one (native's result, then
+    as long again busy): native wins."""
     compiled.extension().set_test_candidate("slow")
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(2, 8, 10, 10, generator=g).half(), torch.randn(8, 8, 3, 3, generator=g).half()
-    args = (torch.randn(2, 8, 10, 10, generator=g).half(), x, w, [8], [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+    args = (torch.randn(2, 8, 10, 10, generator=g).half(), x, w, [8], [1, 1], [2, 2], [2, 2], False, [0, 0], 1,
             [True, True, True])
     with aten_override.enable("compiled", autotune=True):
         _OP(*args)

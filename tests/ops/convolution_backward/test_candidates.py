@@ -198,13 +198,21 @@ def test_winograd_declines_non_finite_grad_output_and_weight():
     assert ext.run_kernel("winograd", args[0], args[1], w, *args[3:-1], [True, False, False]) is None
 
 
-def test_winograd_is_deterministic():
-    """Two runs give the same bits (fixed tile chunks, GEMMs in a fixed order, no atomics)."""
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_winograd_is_deterministic_at_any_thread_count(threads):
+    """At each thread count (threads take runs of tile chunks; grad_weight's per-thread sums are added
+    in task order) two runs give the same bits and match native."""
     ext = compiled.extension()
     args = CALLS["3x3 p1 64->64 56x22 (ResNet-50 stage 1)"]
-    first, second = ext.run_kernel("winograd", *args), ext.run_kernel("winograd", *args)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        first, second = ext.run_kernel("winograd", *args), ext.run_kernel("winograd", *args)
+    finally:
+        torch.set_num_threads(before)
     for a, b in zip(first, second):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    check_against_native(first, call_native(args), float64_reference(args), output_mask=args[-1], where=f"{threads} threads")
 
 
 def test_depthwise_bands_are_deterministic():
