@@ -362,12 +362,12 @@ void run_serial(Transform tr, const Pass& g, const acc_t* src, acc_t* dst) {
 }
 
 template <typename scalar_t, typename acc_t>
-void grad_input_impl(const DirectProblem& p, const at::Tensor& go, const at::Tensor& w, at::Tensor& gi) {
+// go_planes: grad_output's planes (planes_of), shared with grad_weight_impl.
+void grad_input_impl(const DirectProblem& p, const at::Tensor& go_planes, const at::Tensor& w, at::Tensor& gi) {
   constexpr int64_t L = fused::Vec<acc_t>::size;
   const int64_t N = p.batch, K = p.out_per_group, C = p.in_per_group, D = p.in[0];
   const int64_t H = p.in[1], W = p.in[2], Ho = p.out[1], Wo = p.out[2];
   const int64_t Kp = round_up(K, L), Cp = round_up(C, L);
-  const at::Tensor go_planes = planes_of<scalar_t, acc_t>(go, N, K, D * Ho * Wo);
   const auto options = go_planes.options();
   // U = G w' G^T of the flipped weight, [xi][C_out][Cp].
   const at::Tensor w_taps = taps_of<scalar_t, acc_t>(w.const_data_ptr<scalar_t>(), K, C, options);
@@ -397,12 +397,11 @@ void grad_input_impl(const DirectProblem& p, const at::Tensor& go, const at::Ten
 }
 
 template <typename scalar_t, typename acc_t>
-void grad_weight_impl(const DirectProblem& p, const at::Tensor& go, const at::Tensor& x, at::Tensor& gw) {
+void grad_weight_impl(const DirectProblem& p, const at::Tensor& go_planes, const at::Tensor& x, at::Tensor& gw) {
   constexpr int64_t L = fused::Vec<acc_t>::size;
   const int64_t N = p.batch, K = p.out_per_group, C = p.in_per_group, D = p.in[0];
   const int64_t H = p.in[1], W = p.in[2], Ho = p.out[1], Wo = p.out[2];
   const int64_t Kp = round_up(K, L), Cp = round_up(C, L);
-  const at::Tensor go_planes = planes_of<scalar_t, acc_t>(go, N, K, D * Ho * Wo);
   const at::Tensor x_planes = planes_of<scalar_t, acc_t>(x, N, C, D * H * W);
   const int64_t tiles_h = (Ho + 1) / 2, tiles_w = (Wo + 1) / 2;
   // Each task sums its chunks into its own M (16, C_out, Cp); the tasks' sums are added in task order.
@@ -467,8 +466,11 @@ void winograd_backward_cpu(
   TORCH_INTERNAL_ASSERT(!winograd_unsupported(p), "winograd_backward_cpu: ", *winograd_unsupported(p));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_output.scalar_type(), "winograd_backward_cpu", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    if (grad_input != nullptr) grad_input_impl<scalar_t, acc_t>(p, grad_output, weight, *grad_input);
-    if (grad_weight != nullptr) grad_weight_impl<scalar_t, acc_t>(p, grad_output, input, *grad_weight);
+    // grad_output's [position][channel] planes, transposed once for both gradients
+    const at::Tensor go_planes = planes_of<scalar_t, acc_t>(
+        grad_output, p.batch, p.out_per_group, p.out[0] * p.out[1] * p.out[2]);
+    if (grad_input != nullptr) grad_input_impl<scalar_t, acc_t>(p, go_planes, weight, *grad_input);
+    if (grad_weight != nullptr) grad_weight_impl<scalar_t, acc_t>(p, go_planes, input, *grad_weight);
   });
 }
 
