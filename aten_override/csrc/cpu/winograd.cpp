@@ -361,13 +361,21 @@ void run_serial(Transform tr, const Pass& g, const acc_t* src, acc_t* dst) {
   }
 }
 
-template <typename scalar_t, typename acc_t>
+// The sizes of a problem: batch, C_out, C_in, depth (folded into the batch), input and grad_output
+// planes; C_out and C_in padded to the vector width (`lanes`).
+struct Sizes {
+  int64_t N, K, C, D, H, W, Ho, Wo, Kp, Cp;
+  static Sizes of(const DirectProblem& p, int64_t lanes) {
+    return {p.batch,  p.out_per_group, p.in_per_group, p.in[0], p.in[1], p.in[2], p.out[1], p.out[2],
+            round_up(p.out_per_group, lanes), round_up(p.in_per_group, lanes)};
+  }
+};
+
 // go_planes: grad_output's planes (planes_of), shared with grad_weight_impl.
+template <typename scalar_t, typename acc_t>
 void grad_input_impl(const DirectProblem& p, const at::Tensor& go_planes, const at::Tensor& w, at::Tensor& gi) {
-  constexpr int64_t L = fused::Vec<acc_t>::size;
-  const int64_t N = p.batch, K = p.out_per_group, C = p.in_per_group, D = p.in[0];
-  const int64_t H = p.in[1], W = p.in[2], Ho = p.out[1], Wo = p.out[2];
-  const int64_t Kp = round_up(K, L), Cp = round_up(C, L);
+  const Sizes z = Sizes::of(p, fused::Vec<acc_t>::size);
+  const int64_t N = z.N, K = z.K, C = z.C, D = z.D, H = z.H, W = z.W, Ho = z.Ho, Wo = z.Wo, Kp = z.Kp, Cp = z.Cp;
   const auto options = go_planes.options();
   // U = G w' G^T of the flipped weight, [xi][C_out][Cp].
   const at::Tensor w_taps = taps_of<scalar_t, acc_t>(w.const_data_ptr<scalar_t>(), K, C, options);
@@ -398,10 +406,8 @@ void grad_input_impl(const DirectProblem& p, const at::Tensor& go_planes, const 
 
 template <typename scalar_t, typename acc_t>
 void grad_weight_impl(const DirectProblem& p, const at::Tensor& go_planes, const at::Tensor& x, at::Tensor& gw) {
-  constexpr int64_t L = fused::Vec<acc_t>::size;
-  const int64_t N = p.batch, K = p.out_per_group, C = p.in_per_group, D = p.in[0];
-  const int64_t H = p.in[1], W = p.in[2], Ho = p.out[1], Wo = p.out[2];
-  const int64_t Kp = round_up(K, L), Cp = round_up(C, L);
+  const Sizes z = Sizes::of(p, fused::Vec<acc_t>::size);
+  const int64_t N = z.N, K = z.K, C = z.C, D = z.D, H = z.H, W = z.W, Ho = z.Ho, Wo = z.Wo, Kp = z.Kp, Cp = z.Cp;
   const at::Tensor x_planes = planes_of<scalar_t, acc_t>(x, N, C, D * H * W);
   const int64_t tiles_h = (Ho + 1) / 2, tiles_w = (Wo + 1) / 2;
   // Each task sums its chunks into its own M (16, C_out, Cp); the tasks' sums are added in task order.
