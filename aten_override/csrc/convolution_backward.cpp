@@ -890,7 +890,7 @@ Result gemm_backward(const Args& a, const Expanded& e, GemmAlgorithm algorithm) 
   return contiguous_kernel_backward(a, [&](auto&&... t) { gemm_backward_cpu(algorithm, direct_problem(a, e), t...); });
 }
 
-// The Winograd kernels' result, in upstream's layout (cpu/winograd.cpp).
+// The Winograd kernel's result, in upstream's layout (cpu/winograd.cpp).
 Result winograd_backward(const Args& a, const Expanded& e) {
   return contiguous_kernel_backward(a, [&](auto&&... t) { winograd_backward_cpu(direct_problem(a, e), t...); });
 }

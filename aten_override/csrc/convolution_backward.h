@@ -99,7 +99,7 @@ void grouped_lanes_backward_cpu(
     const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     at::Tensor* grad_input, at::Tensor* grad_weight);
 
-// The Winograd kernels (cpu/winograd.cpp): 3x3 (or 1x3x3), stride 1, undilated, groups == 1 layers
+// The Winograd kernel (cpu/winograd.cpp): 3x3 (or 1x3x3), stride 1, undilated, groups == 1 layers
 // with the same padding of at most 2 in H and W (none in depth). grad_input by F(2x2, 3x3), grad_weight
 // by F(3x3, 2x2). Tensors as for gemm_backward_cpu: contiguous
 // NC(D)HW of one floating dtype, outputs contiguous, every element written; float16 / bfloat16

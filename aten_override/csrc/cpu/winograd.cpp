@@ -37,7 +37,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <numeric>
 #include <type_traits>
 #include <utility>
 #include <vector>
