@@ -376,12 +376,15 @@ void grad_input_impl(const DirectProblem& p, const at::Tensor& go_planes, const 
   const Sizes z = Sizes::of(p, fused::Vec<acc_t>::size);
   const int64_t N = z.N, K = z.K, C = z.C, D = z.D, H = z.H, W = z.W, Ho = z.Ho, Wo = z.Wo, Kp = z.Kp, Cp = z.Cp;
   const auto options = go_planes.options();
-  // U = G w' G^T of the flipped weight, [xi][C_out][Cp].
-  const at::Tensor w_taps = taps_of<scalar_t, acc_t>(w.const_data_ptr<scalar_t>(), K, C, options);
+  // U = G w' G^T of the flipped weight, [xi][C_out][Cp] (the weight's taps freed before the tiles'
+  // buffers are allocated: U is 16/9 of the weight, the workspace's largest part on 512-channel layers).
   at::Tensor u = at::empty({16, K, Cp}, options);
-  Pass weight_pass;
-  weight_pass.channels = Cp, weight_pass.rows = K, weight_pass.flip = true;
-  run_taps(Transform::Weight4, weight_pass, w_taps.const_data_ptr<acc_t>(), u.mutable_data_ptr<acc_t>());
+  {
+    const at::Tensor w_taps = taps_of<scalar_t, acc_t>(w.const_data_ptr<scalar_t>(), K, C, options);
+    Pass weight_pass;
+    weight_pass.channels = Cp, weight_pass.rows = K, weight_pass.flip = true;
+    run_taps(Transform::Weight4, weight_pass, w_taps.const_data_ptr<acc_t>(), u.mutable_data_ptr<acc_t>());
+  }
   const int64_t tiles_h = (H + 1) / 2, tiles_w = (W + 1) / 2;
   const Split split(N * D * tiles_h * tiles_w, chunk_tiles(Kp, Cp, sizeof(acc_t), N * D * tiles_h * tiles_w),
                     at::get_num_threads());
