@@ -142,11 +142,6 @@ struct GatherOp {
   }
 };
 
-template <typename acc_t>
-ATEN_OVERRIDE_INLINE int64_t round_up(int64_t n) {
-  return (n + Vec<acc_t>::size - 1) / Vec<acc_t>::size * Vec<acc_t>::size;
-}
-
 // acc[k] (one vector per tap) += grad_weight contribution of one grad_output plane (`gs`, from its
 // margin) and input plane `xp`.
 template <typename acc_t>

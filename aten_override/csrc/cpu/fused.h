@@ -46,6 +46,12 @@ struct Vec {
   static ATEN_OVERRIDE_INLINE void store(acc_t* p, type v) { *reinterpret_cast<type*>(p) = v; }
 };
 
+// n rounded up to a whole number of acc_t vectors (channels padded to the vector width).
+template <typename acc_t>
+ATEN_OVERRIDE_INLINE int64_t round_up(int64_t n) {
+  return (n + Vec<acc_t>::size - 1) / Vec<acc_t>::size * Vec<acc_t>::size;
+}
+
 // Taps are processed at most kMaxTaps at a time so that their accumulators stay in registers.
 constexpr int kMaxTaps = 8;
 

@@ -32,10 +32,9 @@ struct GroupedTiles {
 
 template <typename acc_t>
 GroupedTiles grouped_tiles(const DirectProblem& p, const Plane& g) {
-  constexpr int64_t L = Vec<acc_t>::size;
   GroupedTiles t;
-  t.ci_pad = (p.in_per_group + L - 1) / L * L;
-  t.co_pad = (p.out_per_group + L - 1) / L * L;
+  t.ci_pad = round_up<acc_t>(p.in_per_group);
+  t.co_pad = round_up<acc_t>(p.out_per_group);
   t.bytes = ((g.size + 1) * 2 * t.ci_pad + (g.margin + g.size + 1) * t.co_pad) * static_cast<int64_t>(sizeof(acc_t));
   return t;
 }

@@ -51,16 +51,6 @@ using VecOf = typename fused::Vec<acc_t>::type;
 template <typename V>
 using elem_t = std::remove_cv_t<std::remove_reference_t<decltype(std::declval<V>()[0])>>;
 
-template <typename V>
-ATEN_OVERRIDE_INLINE V load(const void* p) {
-  V v;
-  __builtin_memcpy(&v, p, sizeof(V));
-  return v;
-}
-template <typename V>
-ATEN_OVERRIDE_INLINE void store(void* p, V v) {
-  __builtin_memcpy(p, &v, sizeof(V));
-}
 
 // --- the 1-D transforms; each 2-D transform applies one of them along both axes -----------------
 // B^T of F(2, 3) / F(3, 2) (alpha = 4).
@@ -171,9 +161,9 @@ ATEN_OVERRIDE_INLINE void transform_tiles(const Pass& g, const acc_t* src, acc_t
     }
     for (int64_t c = 0; c < C; c += L) {
       V d[In * In], v[Out * Out];
-      for (int k = 0; k < In * In; ++k) d[k] = inside[k] ? load<V>(ptr[k] + c) : V{};
+      for (int k = 0; k < In * In; ++k) d[k] = inside[k] ? fused::Vec<acc_t>::load(ptr[k] + c) : V{};
       transform2d<T>(d, v);
-      for (int k = 0; k < Out * Out; ++k) store(out + k * xi_stride + c, v[k]);
+      for (int k = 0; k < Out * Out; ++k) fused::Vec<acc_t>::store(out + k * xi_stride + c, v[k]);
     }
   }
 }
@@ -192,11 +182,11 @@ ATEN_OVERRIDE_INLINE void output_tiles(const Pass& g, const acc_t* src, acc_t* d
     const acc_t* in = src + (t - g.t0) * C;
     for (int64_t c = 0; c < C; c += L) {
       V p[16], y[4];
-      for (int k = 0; k < 16; ++k) p[k] = load<V>(in + k * xi_stride + c);
+      for (int k = 0; k < 16; ++k) p[k] = fused::Vec<acc_t>::load(in + k * xi_stride + c);
       transform2d<Output2>(p, y);
       for (int i = 0; i < 2; ++i) {
         for (int j = 0; j < 2; ++j) {
-          if (y0 + i < g.height && x0 + j < g.width) store(base + ((y0 + i) * g.width + x0 + j) * C + c, y[i * 2 + j]);
+          if (y0 + i < g.height && x0 + j < g.width) fused::Vec<acc_t>::store(base + ((y0 + i) * g.width + x0 + j) * C + c, y[i * 2 + j]);
         }
       }
     }
@@ -213,9 +203,9 @@ ATEN_OVERRIDE_INLINE void transform_taps(const Pass& g, const acc_t* src, acc_t*
   for (int64_t r = begin; r < end; ++r) {
     for (int64_t c = 0; c < C; c += L) {
       V w[In * In], u[Out * Out];
-      for (int k = 0; k < In * In; ++k) w[k] = load<V>(src + (g.flip ? In * In - 1 - k : k) * tap_stride + r * C + c);
+      for (int k = 0; k < In * In; ++k) w[k] = fused::Vec<acc_t>::load(src + (g.flip ? In * In - 1 - k : k) * tap_stride + r * C + c);
       transform2d<T>(w, u);
-      for (int k = 0; k < Out * Out; ++k) store(dst + k * tap_stride + r * C + c, u[k]);
+      for (int k = 0; k < Out * Out; ++k) fused::Vec<acc_t>::store(dst + k * tap_stride + r * C + c, u[k]);
     }
   }
 }
@@ -253,10 +243,6 @@ void run_taps(Transform tr, const Pass& g, const acc_t* src, acc_t* dst) {
   });
 }
 
-int64_t round_up(int64_t x, int64_t to) {
-  return (x + to - 1) / to * to;
-}
-
 // 0, step, 2 * step, ...: the tile positions of fused::load_tiles / store_tiles.
 std::vector<int64_t> positions_every(int64_t n, int64_t step) {
   std::vector<int64_t> index(n);
@@ -270,7 +256,7 @@ std::vector<int64_t> positions_every(int64_t n, int64_t step) {
 template <typename scalar_t, typename acc_t>
 at::Tensor planes_of(const at::Tensor& t, int64_t N, int64_t C, int64_t S) {
   constexpr int64_t L = fused::Vec<acc_t>::size;
-  const int64_t Cp = round_up(C, L), blocks = Cp / L;
+  const int64_t Cp = fused::round_up<acc_t>(C), blocks = Cp / L;
   at::Tensor out = at::empty({N, S, Cp}, t.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
   const std::vector<int64_t> index = positions_every(S, 1);
   const scalar_t* src = t.const_data_ptr<scalar_t>();
@@ -288,7 +274,7 @@ at::Tensor planes_of(const at::Tensor& t, int64_t N, int64_t C, int64_t S) {
 template <typename scalar_t, typename acc_t>
 void store_planes(const acc_t* src, int64_t N, int64_t C, int64_t S, scalar_t* dst) {
   constexpr int64_t L = fused::Vec<acc_t>::size;
-  const int64_t Cp = round_up(C, L), blocks = Cp / L;
+  const int64_t Cp = fused::round_up<acc_t>(C), blocks = Cp / L;
   const std::vector<int64_t> index = positions_every(S, 1);
   at::parallel_for(0, N * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -302,7 +288,7 @@ void store_planes(const acc_t* src, int64_t N, int64_t C, int64_t S, scalar_t* d
 template <typename scalar_t, typename acc_t>
 at::Tensor taps_of(const scalar_t* w, int64_t K, int64_t C, const at::TensorOptions& options) {
   constexpr int64_t L = fused::Vec<acc_t>::size;
-  const int64_t Cp = round_up(C, L);
+  const int64_t Cp = fused::round_up<acc_t>(C);
   at::Tensor out = at::empty({9, K, Cp}, options);
   acc_t* dst = out.mutable_data_ptr<acc_t>();
   const std::vector<int64_t> index = positions_every(9, K);
@@ -318,7 +304,7 @@ at::Tensor taps_of(const scalar_t* w, int64_t K, int64_t C, const at::TensorOpti
 template <typename scalar_t, typename acc_t>
 void store_taps(const acc_t* taps, int64_t K, int64_t C, scalar_t* w) {
   constexpr int64_t L = fused::Vec<acc_t>::size;
-  const int64_t Cp = round_up(C, L);
+  const int64_t Cp = fused::round_up<acc_t>(C);
   const std::vector<int64_t> index = positions_every(9, K);
   at::parallel_for(0, K, 1, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
@@ -361,19 +347,20 @@ void run_serial(Transform tr, const Pass& g, const acc_t* src, acc_t* dst) {
 }
 
 // The sizes of a problem: batch, C_out, C_in, depth (folded into the batch), input and grad_output
-// planes; C_out and C_in padded to the vector width (`lanes`).
+// planes; C_out and C_in padded to the width of acc_t's vectors.
 struct Sizes {
   int64_t N, K, C, D, H, W, Ho, Wo, Kp, Cp;
-  static Sizes of(const DirectProblem& p, int64_t lanes) {
+  template <typename acc_t>
+  static Sizes of(const DirectProblem& p) {
     return {p.batch,  p.out_per_group, p.in_per_group, p.in[0], p.in[1], p.in[2], p.out[1], p.out[2],
-            round_up(p.out_per_group, lanes), round_up(p.in_per_group, lanes)};
+            fused::round_up<acc_t>(p.out_per_group), fused::round_up<acc_t>(p.in_per_group)};
   }
 };
 
 // go_planes: grad_output's planes (planes_of), shared with grad_weight_impl.
 template <typename scalar_t, typename acc_t>
 void grad_input_impl(const DirectProblem& p, const at::Tensor& go_planes, const at::Tensor& w, at::Tensor& gi) {
-  const Sizes z = Sizes::of(p, fused::Vec<acc_t>::size);
+  const Sizes z = Sizes::of<acc_t>(p);
   const int64_t N = z.N, K = z.K, C = z.C, D = z.D, H = z.H, W = z.W, Ho = z.Ho, Wo = z.Wo, Kp = z.Kp, Cp = z.Cp;
   const auto options = go_planes.options();
   // U = G w' G^T of the flipped weight, [xi][C_out][Cp] (the weight's taps freed before the tiles'
@@ -408,7 +395,7 @@ void grad_input_impl(const DirectProblem& p, const at::Tensor& go_planes, const 
 
 template <typename scalar_t, typename acc_t>
 void grad_weight_impl(const DirectProblem& p, const at::Tensor& go_planes, const at::Tensor& x, at::Tensor& gw) {
-  const Sizes z = Sizes::of(p, fused::Vec<acc_t>::size);
+  const Sizes z = Sizes::of<acc_t>(p);
   const int64_t N = z.N, K = z.K, C = z.C, D = z.D, H = z.H, W = z.W, Ho = z.Ho, Wo = z.Wo, Kp = z.Kp, Cp = z.Cp;
   const at::Tensor x_planes = planes_of<scalar_t, acc_t>(x, N, C, D * H * W);
   const int64_t tiles_h = (Ho + 1) / 2, tiles_w = (Wo + 1) / 2;
