@@ -327,10 +327,12 @@ def test_a_tampered_results_file_never_runs_a_kernel_that_cannot_serve_the_call(
     check_against_native(ours, call_native(args), output_mask=args[-1])
 
 
-@pytest.mark.parametrize("choice", ["gemm-im2col+native", "native+gemm-im2col"])
+@pytest.mark.parametrize("choice", ["gemm-im2col+native", "native+gemm-im2col", "winograd", "winograd+native",
+                                    "native+winograd"])
 def test_a_split_from_a_results_file_serves_each_gradient_from_its_kernel(tmp_path, choice):
     """A split (grad_input and grad_bias from one kernel, grad_weight from the other) is a choice like
-    any other: named in the file, in stats() and the tracer, and its results are native's."""
+    any other: named in the file, in stats() and the tracer, and its results are native's. Also winograd
+    (whole or in a split) through enable(): the registered kernel serves the dense 3x3 call with it."""
     args = _dense_call()
     path = tmp_path / "tune.json"
     _write_entries(path, args, choice)
