@@ -188,6 +188,7 @@ enum class Kernel : int {
   GemmIm2col,    // cpu/gemm.cpp, im2col + GEMM
   GemmKn2row,    // cpu/gemm.cpp, one GEMM per tap
   Winograd,      // cpu/winograd.cpp, grad_input F(2x2, 3x3), grad_weight F(3x3, 2x2)
+  PointwiseFused,  // cpu/pointwise.cpp, 1x1 stride 1: both gradients in one pass, vector micro-kernels
   Test,          // a fake candidate for the autotuner's tests (set_test_candidate); never otherwise
   Count
 };
@@ -195,7 +196,7 @@ enum class Kernel : int {
 constexpr const char* kKernelNames[] = {"native",          "zeros",           "sum",           "upcast",
                                         "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct",
                                         "grouped-lanes",   "gemm-im2col",     "gemm-kn2row",   "winograd",
-                                        "test"};
+                                        "pointwise-fused", "test"};
 static_assert(sizeof(kKernelNames) / sizeof(kKernelNames[0]) == static_cast<size_t>(Kernel::Count));
 
 
@@ -890,6 +891,11 @@ Result gemm_backward(const Args& a, const Expanded& e, GemmAlgorithm algorithm) 
   return contiguous_kernel_backward(a, [&](auto&&... t) { gemm_backward_cpu(algorithm, direct_problem(a, e), t...); });
 }
 
+// The fused pointwise kernel's result, in upstream's layout (cpu/pointwise.cpp).
+Result pointwise_fused_backward(const Args& a, const Expanded& e) {
+  return contiguous_kernel_backward(a, [&](auto&&... t) { pointwise_backward_cpu(direct_problem(a, e), t...); });
+}
+
 // The Winograd kernel's result, in upstream's layout (cpu/winograd.cpp).
 Result winograd_backward(const Args& a, const Expanded& e) {
   return contiguous_kernel_backward(a, [&](auto&&... t) { winograd_backward_cpu(direct_problem(a, e), t...); });
@@ -1078,6 +1084,7 @@ std::optional<std::string> candidate_unsupported(Kernel k, const Args& a, const 
       if (full && kn2row_applies(p)) return std::nullopt;
       return "not stride 1 with taps in one dim, or reduced precision";
     case Kernel::Winograd: return winograd_unsupported(p);
+    case Kernel::PointwiseFused: return pointwise_unsupported(p, dtype);
     case Kernel::Test:
       if (test_candidate().load() != TestCandidate::Off) return std::nullopt;
       return "test candidate off";
@@ -1126,12 +1133,14 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
     case Kernel::GroupedLanes:
     case Kernel::GemmIm2col:
     case Kernel::GemmKn2row:
-    case Kernel::Winograd: {
+    case Kernel::Winograd:
+    case Kernel::PointwiseFused: {
       const bool gemm = k == Kernel::GemmIm2col || k == Kernel::GemmKn2row;
       const bool winograd = k == Kernel::Winograd;
       if (cpu && !gemm && a.output_mask[0] && !all_finite(a.weight)) return std::nullopt;
       auto result = winograd                  ? winograd_backward(a, e)
           : k == Kernel::GroupedLanes         ? grouped_lanes_backward(a, e)
+          : k == Kernel::PointwiseFused       ? pointwise_fused_backward(a, e)
           : k == Kernel::GemmIm2col           ? gemm_backward(a, e, GemmAlgorithm::Im2col)
           : k == Kernel::GemmKn2row           ? gemm_backward(a, e, GemmAlgorithm::Kn2row)
           : k == Kernel::DepthwiseLanes       ? direct_backward(a, e, DepthwiseWalk::Lanes)

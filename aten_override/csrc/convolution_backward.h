@@ -109,4 +109,13 @@ void winograd_backward_cpu(
     const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight);
 
+// The pointwise kernel (cpu/pointwise.cpp): 1x1, stride-1, unpadded, groups == 1 layers in float32 /
+// float64, both gradients in one pass over grad_output with vector micro-kernels (no BLAS), the same
+// bits for any thread count. Tensors as for gemm_backward_cpu. pointwise_unsupported says why a
+// problem is not one of these (nullopt: it is).
+std::optional<std::string> pointwise_unsupported(const DirectProblem& p, at::ScalarType dtype);
+void pointwise_backward_cpu(
+    const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight);
+
 }  // namespace aten_override

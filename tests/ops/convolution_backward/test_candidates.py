@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(compiled.unavailable_reason() is not None, reaso
 # The kernels the autotuner chooses between (not the correctness classes zeros / sum / upcast, nor
 # the autotuner's fake test candidate).
 CANDIDATES = ("native", "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct", "grouped-lanes", "gemm-im2col",
-              "gemm-kn2row", "winograd")
+              "gemm-kn2row", "winograd", "pointwise-fused")
 
 
 def _call(c_in, c_out, groups, kernel, spatial, *, stride=1, padding=0, dilation=1, batch=2,
@@ -82,6 +82,15 @@ def _calls():
         "pointwise 24->40 f16": _call(24, 40, 1, 1, (17, 19), dtype=torch.float16),
         "pointwise 9->1000 f64 batch 1": _call(9, 1000, 1, 1, (6, 6), dtype=torch.float64, batch=1),
         "pointwise 64->1024 7x7 (EfficientNet project)": _call(1024, 64, 1, 1, (7, 7), batch=9),
+        # pointwise-fused (1x1 stride 1, float32 / float64): chunks of a sample with a partial last one
+        # (112x112 at batch 1), more (sample, chunk) tasks than grad_weight partials (batch 40 of 7x7:
+        # tasks share a partial), channels not a multiple of its 8-row / 16-lane blocks, positions not
+        # a multiple of the vector width, wide layers whose partials are capped by size, channels-last
+        "pointwise 16->96 112x112 batch 1 (chunks)": _call(16, 96, 1, 1, (112, 112), batch=1),
+        "pointwise 13->21 7x7 batch 40 (partials)": _call(13, 21, 1, 1, (7, 7), batch=40),
+        "pointwise 1->3 1-D 17 f64": _call(1, 3, 1, 1, (17,), dtype=torch.float64, batch=3),
+        "pointwise 1152->1280 3x3 (wide)": _call(1152, 1280, 1, 1, (3, 3), batch=2),
+        "pointwise 40->24 channels_last": _call(40, 24, 1, 1, (15, 9), channels_last=True),
         "1-D k3 s2 (wav2vec2 feature encoder)": _call(16, 16, 1, 3, (199,), stride=2),
         "3x1x1 (R(2+1)D)": _call(8, 8, 1, 1, (6, 7, 7)),
         "3-D 3x3x3": _call(4, 6, 1, 3, (5, 6, 6), padding=1),
@@ -196,6 +205,61 @@ def test_winograd_declines_non_finite_grad_output_and_weight():
     w = args[2].clone()
     w[3, 2, 1, 1] = float("inf")
     assert ext.run_kernel("winograd", args[0], args[1], w, *args[3:-1], [True, False, False]) is None
+
+
+@pytest.mark.parametrize("call", ["pointwise 16->96 112x112 batch 1 (chunks)", "pointwise 13->21 7x7 batch 40 (partials)"])
+def test_pointwise_fused_gives_the_same_bits_at_any_thread_count(call):
+    """grad_weight's partial sums are a fixed number of slabs of (sample, chunk) tasks, added in slab
+    order, and each grad_input element is written by one task: 1, 2 and 3 threads give the same bits."""
+    ext = compiled.extension()
+    args = CALLS[call]
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3, 1):
+            torch.set_num_threads(threads)
+            results.append(ext.run_kernel("pointwise-fused", *args))
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_pointwise_fused_long_sums_as_accurate_as_native():
+    """grad_weight sums over every position of the batch (here 2 x 112 x 112 of mean-1 data, like a
+    ReLU's output): each float32 sum runs over blocks of positions, then chunks, then partials, so its
+    error stays within 2x native's (MKL's blocked sums) + 2 eps of the result's scale, against float64."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(2, 16, 112, 112, generator=g) + 0.5
+    go = torch.rand(2, 24, 112, 112, generator=g) + 0.5
+    w = torch.randn(24, 16, 1, 1, generator=g)
+    args = (go, x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, False])
+    ours = compiled.extension().run_kernel("pointwise-fused", *args)
+    native = call_native(args)
+    exact = call_native([t.double() if isinstance(t, torch.Tensor) else t for t in args])
+    eps = torch.finfo(torch.float32).eps
+    for i in (0, 1):
+        scale = exact[i].abs().max().item()
+        ours_err, native_err = ((t[i].double() - exact[i]).abs().max().item() for t in (ours, native))
+        assert ours_err <= 2 * native_err + 2 * eps * scale, (i, ours_err / eps / scale, native_err / eps / scale)
+
+
+def test_pointwise_fused_declines_what_it_does_not_compute_and_says_why():
+    ext = compiled.extension()
+    for call, why in (("pointwise s2", "not 1x1 with stride 1 and no padding"),
+                      ("dense 3x3", "not 1x1 with stride 1 and no padding"),
+                      ("3x1x1 (R(2+1)D)", "not 1x1 with stride 1 and no padding"),
+                      ("grouped 16 per group s2", "grouped"),
+                      ("pointwise channels_last bf16", "float16 / bfloat16"),
+                      ("pointwise 24->40 f16", "float16 / bfloat16")):
+        with pytest.raises(ValueError, match=f"pointwise-fused cannot compute this call: {why}"):
+            ext.run_kernel("pointwise-fused", *CALLS[call])
+    grouped_1x1 = _call(8, 8, 2, 1, (5, 5))
+    with pytest.raises(ValueError, match="pointwise-fused cannot compute this call: grouped"):
+        ext.run_kernel("pointwise-fused", *grouped_1x1)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
