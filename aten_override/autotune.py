@@ -1,8 +1,8 @@
 r"""Measured kernel choice of the compiled backend: the setting, and the results file.
 
 The compiled backend can serve a call with several kernels (``candidates``: native itself, the
-depthwise kernel's three walks, the direct, grouped-lanes, GEMM and Winograd kernels of ``csrc/cpu``, each with a predicate of what it
-computes). With autotune on, the first call of a *signature* (sizes, strides, dtype, ``output_mask``,
+depthwise kernel's three walks, the direct, grouped-lanes, GEMM, Winograd and fused pointwise kernels of
+``csrc/cpu``, each with a predicate of what it computes). With autotune on, the first call of a *signature* (sizes, strides, dtype, ``output_mask``,
 stride / padding / dilation / groups, bias, the thread count) times every candidate that applies on
 the call's own tensors (native's first run untimed, the reference; each candidate once, checked
 against it; an interleaved round of all; two more of native and the candidates within 2x of the

@@ -123,7 +123,10 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "pointwise; pointwise and 3-D layers native does not send to oneDNN / Slow3d): native's oneDNN / GEMM "
      "paths are near the hardware limit there, or as fast (use native). The autotuner also measures winograd on 3x3 "
      "stride-1 layers (cpu/winograd.cpp: 2.25x fewer multiplications; grad_input 0.66-0.88x, grad_weight "
-     "0.57-0.84x native on ResNet-50's stride-1 3x3 layers at one thread, which the table does not assume)"},
+     "0.57-0.84x native on ResNet-50's stride-1 3x3 layers at one thread, which the table does not assume), and "
+     "pointwise-fused on 1x1 stride-1 float32 / float64 layers (cpu/pointwise.cpp: both gradients in one pass "
+     "over grad_output; 0.5-0.7x native's Slow2d on few-channel layers with large planes, MobileNetV2's and "
+     "EfficientNet's expand convolutions, at one thread; slower than native on small planes)"},
     {"transposed", "native", "transposed layers: no compiled kernel yet; native's oneDNN paths serve them (use native)"},
     {"bias-only", "sum",
      "output_mask asks for neither grad_input nor grad_weight: grad_bias is grad_output's sum over every dim but 1 "
@@ -133,7 +136,8 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "1x1, no padding, groups == 1, where native picks oneDNN: its backward reaches 4-17% of peak (bfloat16 "
      "4% of AMX); plain GEMMs on input / grad_input views (strided: one gather); measured 0.26-0.5x native "
      "(ResNet-50). bfloat16 only where the whole batch is one AMX GEMM per output (in float32 it measured "
-     "1.3-1.6x). Where native picks Slow2d (itself GEMMs) it stays dense: 1.03x"},
+     "1.3-1.6x). Where native picks Slow2d (itself GEMMs) it stays dense: 1.03x. The autotuner also measures "
+     "pointwise-fused on both (see dense)"},
     {"grouped-gemm", "gemm",
      "float32 / float64, 1 < groups < C_in with (C_in / groups) * (C_out / groups) > 64, some stride > 1, "
      "where grouped-lanes does not apply (over 64 channels per group): native's oneDNN backward is weak on "

@@ -28,7 +28,10 @@ dense                native   dense 1-D/2-D layers, and what the GEMM classes be
                               native is near the hardware limit there, or as fast. The autotuner also
                               measures gemm-im2col there and, on 3x3 stride-1 layers, winograd
                               (``csrc/cpu/winograd.cpp``: F(2x2,3x3) grad_input, F(3x3,2x2) grad_weight,
-                              2.25x fewer multiplications than native's oneDNN)
+                              2.25x fewer multiplications than native's oneDNN), and on 1x1 stride-1
+                              float32/float64 layers pointwise-fused (``csrc/cpu/pointwise.cpp``: both
+                              gradients in one pass over grad_output with vector micro-kernels, where
+                              MKL runs the skinny GEMMs of few-channel layers at 30-50 GFLOP/s)
 transposed           native   no compiled kernel yet
 bias-only            sum      ``output_mask`` asks for neither grad_input nor grad_weight: grad_bias is
                               grad_output's sum (whatever the weight: zero output channels or kernel size too)
@@ -36,7 +39,8 @@ pointwise            gemm     1x1, no padding, ``groups == 1``, at least 512 gra
                               (smaller pointwise and 3-D layers: dense), where native picks oneDNN (its backward
                               reaches 4-17% of peak): plain GEMMs on views (``csrc/cpu/gemm.cpp``);
                               bfloat16 only where each output is one AMX GEMM (the batch fits one
-                              chunk). Where native picks Slow2d (itself GEMMs): dense
+                              chunk). Where native picks Slow2d (itself GEMMs): dense. The autotuner
+                              also measures pointwise-fused on both
 grouped-gemm         gemm     float32/float64, ``1 < groups < C_in`` with more than 64 channel pairs per
                               group and more than 64 channels on a side, some stride > 1: im2col + GEMM
                               group by group (at stride 1 native is faster: dense)

@@ -345,6 +345,23 @@ def test_a_split_from_a_results_file_serves_each_gradient_from_its_kernel(tmp_pa
     check_against_native(ours, call_native(args), output_mask=args[-1])
 
 
+@pytest.mark.parametrize("choice", ["pointwise-fused", "pointwise-fused+native", "gemm-im2col+pointwise-fused"])
+def test_pointwise_fused_from_a_results_file_serves_a_1x1_call(tmp_path, choice):
+    """pointwise-fused, whole or in a split, through enable(): the registered kernel serves a 1x1
+    call with it (stats and tracer say so) and its results are native's."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(3, 24, 11, 13, generator=g), torch.randn(40, 24, 1, 1, generator=g)
+    args = (torch.randn(3, 40, 11, 13, generator=g), x, w, [40], [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+            [True, True, True])
+    path = tmp_path / "tune.json"
+    _write_entries(path, args, choice)
+    with aten_override.enable("compiled", autotune=path), aten_override.trace(log=False) as t:
+        ours = _OP(*args)
+    assert aten_override.stats()["compiled_kernels"] == {choice: 1}
+    assert t.calls[0].kernel == f"compiled/{choice}"
+    check_against_native(ours, call_native(args), output_mask=args[-1])
+
+
 @pytest.mark.parametrize("choice", ["native+nonsense", "native+native", "+native", "gemm-im2col+"])
 def test_a_malformed_split_entry_is_skipped_with_a_message(tmp_path, caplog, choice):
     """Not a choice at all: the entry is not loaded (a warning says so) and the call tunes afresh."""

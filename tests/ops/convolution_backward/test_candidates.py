@@ -247,6 +247,29 @@ def test_pointwise_fused_long_sums_as_accurate_as_native():
         assert ours_err <= 2 * native_err + 2 * eps * scale, (i, ours_err / eps / scale, native_err / eps / scale)
 
 
+@pytest.mark.parametrize("where", ["grad_output", "input", "weight"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_pointwise_fused_non_finite_values_decline_or_match_native(where, bad):
+    """No padding, so every product native forms is one of ours and no other: an inf or NaN gives
+    native's NaN / inf pattern, or the kernel declines (grad_weight not finite, or the weight: the
+    contract of every kernel here) and native's result serves."""
+    ext = compiled.extension()
+    args = list(_call(20, 36, 1, 1, (9, 30), batch=3))
+    index = {"grad_output": 0, "input": 1, "weight": 2}[where]
+    t = args[index].clone()
+    t.view(-1)[t.numel() // 2 + 3] = bad
+    args[index] = t
+    for mask in ([True, True, True], [True, False, False], [False, True, False]):
+        call = (*args[:-1], mask)
+        ours = ext.run_kernel("pointwise-fused", *call)
+        if ours is None:
+            continue
+        for o, n, wanted in zip(ours, call_native(call), mask):
+            if wanted:
+                torch.testing.assert_close(o, n, equal_nan=True, rtol=1e-4, atol=1e-4)
+    assert ext.run_kernel("pointwise-fused", *(*args[:-1], [True, False, False])) is None or where != "weight"
+
+
 def test_pointwise_fused_declines_what_it_does_not_compute_and_says_why():
     ext = compiled.extension()
     for call, why in (("pointwise s2", "not 1x1 with stride 1 and no padding"),
