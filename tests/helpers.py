@@ -87,3 +87,14 @@ def assert_matches_original(ours, aten_args, *, reference=None):
                 f"{name}: error relative to max|float64 result| {err_ours:.3g} vs native's {err_native:.3g} (eps {eps:.3g})"
             )
     return native
+
+
+def assert_within_twice_native_error(ours, native, exact, outputs=(1, 2)) -> None:
+    """Each of ``outputs`` (indices into the 3 results) of ``ours`` is as accurate as native's float32
+    result against ``exact`` (float64): max error within 2x native's + 2 eps of the result's scale. The
+    message gives both errors in eps of that scale."""
+    eps = torch.finfo(torch.float32).eps
+    for i in outputs:
+        scale = exact[i].abs().max().item()
+        ours_err, native_err = ((t[i].double() - exact[i]).abs().max().item() for t in (ours, native))
+        assert ours_err <= 2 * native_err + 2 * eps * scale, (i, ours_err / eps / scale, native_err / eps / scale)

@@ -19,6 +19,7 @@ import torch
 
 from aten_override.ops.convolution_backward import compiled
 from aten_override.testing.comparison import call_native, check_against_native, float64_reference
+from tests.helpers import assert_within_twice_native_error
 
 pytestmark = pytest.mark.skipif(compiled.unavailable_reason() is not None, reason=str(compiled.unavailable_reason()))
 
@@ -245,11 +246,7 @@ def test_pointwise_fused_long_sums_as_accurate_as_native(shape):
     ours = compiled.extension().run_kernel("pointwise-fused", *args)
     native = call_native(args)
     exact = call_native([t.double() if isinstance(t, torch.Tensor) else t for t in args])
-    eps = torch.finfo(torch.float32).eps
-    for i in (0, 1):
-        scale = exact[i].abs().max().item()
-        ours_err, native_err = ((t[i].double() - exact[i]).abs().max().item() for t in (ours, native))
-        assert ours_err <= 2 * native_err + 2 * eps * scale, (i, ours_err / eps / scale, native_err / eps / scale)
+    assert_within_twice_native_error(ours, native, exact, outputs=(0, 1))
 
 
 @pytest.mark.parametrize("where", ["grad_output", "input", "weight"])

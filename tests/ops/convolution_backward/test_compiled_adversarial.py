@@ -10,6 +10,7 @@ import torch
 import aten_override
 from aten_override.ops.convolution_backward import compiled
 from aten_override.ops.convolution_backward.args import ConvolutionBackwardArgs
+from tests.helpers import assert_within_twice_native_error
 from tests.ops.convolution_backward.test_compiled import (
     COMPILED_UNAVAILABLE, assert_compiled_served, assert_matches_original, native_backend, run_compiled,
     run_compiled_on_one_thread, to_float64,
@@ -92,11 +93,7 @@ def test_lanes_kernel_long_sums_as_accurate_as_native(case):
     ours = check_lanes(args)
     native = aten_override.original_kernel("cpu")(*args.as_aten_args())
     exact = aten_override.original_kernel("cpu")(*to_float64(args).as_aten_args())
-    eps = torch.finfo(torch.float32).eps
-    for i in (1, 2):
-        scale = exact[i].abs().max().item()
-        ours_err, native_err = ((t[i].double() - exact[i]).abs().max().item() for t in (ours, native))
-        assert ours_err <= 2 * native_err + 2 * eps * scale, (i, ours_err / eps / scale, native_err / eps / scale)
+    assert_within_twice_native_error(ours, native, exact, outputs=(1, 2))
 
 
 @pytest.mark.parametrize("where", ["nan in grad_output", "inf in grad_output, grad_bias", "bfloat16 overflow"])
