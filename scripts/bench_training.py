@@ -307,29 +307,32 @@ def traced_steps(w: Workload, opt, name: str, steps: int) -> tuple[float, dict[s
             layer.flops += flops
             layer.bytes += nbytes
             layer.dtype = getattr(torch, call.args["grad_output"].dtype)
-        for module, layer in this_step.items():
-            if module not in layers or layer.us < layers[module].us:
-                layers[module] = layer
+        keep_fastest(layers, this_step)
     return min(walls), layers
+
+
+def keep_fastest(best: dict[str, Layer], layers: dict[str, Layer]) -> None:
+    """best[module] becomes layers[module] wherever that took less time (or best has no such module)."""
+    for module, layer in layers.items():
+        if module not in best or layer.us < best[module].us:
+            best[module] = layer
 
 
 def traced_interleaved(w: Workload, opt, steps: int) -> dict[str, tuple[float, dict[str, Layer]]]:
     """{side: traced_steps' result} over ``steps`` traced steps per side, the sides alternating (native,
-    compiled, then compiled, native, ...) as in the timed rounds: traced one side after the other, the
-    same native kernel of one layer read up to 1.8x slower on the later side in every run (wav2vec2's
-    conv_layers.1 at two threads), the drift of a long run on a VM rather than either side's kernel."""
+    compiled, then compiled, native, ...) as in the timed rounds. Traced one side after the other, the
+    same native kernel of one layer read 1.8x slower on the later side in two full runs (wav2vec2's
+    conv_layers.1 at two threads), though it varies 2x from step to step on either side (289-613 ms in
+    one process): a large call's noise on a VM, which alternating spreads over both sides."""
     traces: dict[str, tuple[float, dict[str, Layer]]] = {}
     for i in range(steps):
         for name in SIDES if i % 2 == 0 else SIDES[::-1]:
             wall, layers = traced_steps(w, opt, name, 1)
             if name in traces:
-                best_wall, best = traces[name]
-                for module, layer in layers.items():
-                    if module not in best or layer.us < best[module].us:
-                        best[module] = layer
-                wall = min(wall, best_wall)
-                layers = best
-            traces[name] = (wall, layers)
+                keep_fastest(traces[name][1], layers)
+                traces[name] = (min(wall, traces[name][0]), traces[name][1])
+            else:
+                traces[name] = (wall, layers)
     return traces
 
 
