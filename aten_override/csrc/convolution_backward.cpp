@@ -822,18 +822,29 @@ at::Tensor compute_into(at::Tensor out, F compute) {
   return out;
 }
 
-// Depthwise: grad_input, grad_weight and grad_bias in one fused pass (cpu/depthwise.cpp).
-Result depthwise_backward(
-    const Args& a, const OutputLayout& layout, const DirectProblem& p, const at::Tensor& go, DepthwiseWalk walk) {
-  at::Tensor gi, gw, gb, gi_buffer, gw_buffer;
-  const auto contiguous_buffer = [](const at::Tensor& out) {
-    return out.is_contiguous() ? out : at::empty(out.sizes(), out.options().memory_format(at::MemoryFormat::Contiguous));
+// Depthwise: grad_input, grad_weight and grad_bias in one fused pass (cpu/depthwise.cpp). The lanes
+// walks read grad_output and input, and write grad_input, in place when they are NCHW or channels-last
+// (ConvNeXt's depthwise layers get all three channels-last); other layouts, and the plane walk, get
+// contiguous copies.
+Result depthwise_backward(const Args& a, const OutputLayout& layout, const DirectProblem& p, DepthwiseWalk walk) {
+  const auto readable = [&](const at::Tensor& t) {
+    return walk != DepthwiseWalk::Plane && depthwise_lanes_layout(t) ? t : t.contiguous();
   };
-  if (a.output_mask[0]) gi_buffer = contiguous_buffer(gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt));
-  if (a.output_mask[1]) gw_buffer = contiguous_buffer(gw = empty_like_native_weight(a.weight, layout));
+  const auto writable = [&](const at::Tensor& out) {
+    return out.is_contiguous() || (walk != DepthwiseWalk::Plane && depthwise_lanes_layout(out))
+        ? out
+        : at::empty(out.sizes(), out.options().memory_format(at::MemoryFormat::Contiguous));
+  };
+  at::Tensor gi, gw, gb, gi_buffer, gw_buffer;
+  const at::Tensor go = readable(a.grad_output);
+  if (a.output_mask[0]) gi_buffer = writable(gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt));
+  if (a.output_mask[1]) {
+    gw = empty_like_native_weight(a.weight, layout);
+    gw_buffer = gw.is_contiguous() ? gw : at::empty(gw.sizes(), gw.options().memory_format(at::MemoryFormat::Contiguous));
+  }
   if (a.output_mask[2]) gb = at::empty({go.size(1)}, go.options());
   depthwise_backward_cpu(
-      p, walk, go, a.output_mask[1] ? a.input.contiguous() : at::Tensor(), a.output_mask[0] ? a.weight.contiguous() : at::Tensor(),
+      p, walk, go, a.output_mask[1] ? readable(a.input) : at::Tensor(), a.output_mask[0] ? a.weight.contiguous() : at::Tensor(),
       gi.defined() ? &gi_buffer : nullptr, gw.defined() ? &gw_buffer : nullptr, gb.defined() ? &gb : nullptr);
   if (gi.defined() && !gi.is_same(gi_buffer)) gi.copy_(gi_buffer);
   if (gw.defined() && !gw.is_same(gw_buffer)) gw.copy_(gw_buffer);
@@ -844,10 +855,10 @@ Result depthwise_backward(
 Result direct_backward(const Args& a, const Expanded& e, DepthwiseWalk walk = DepthwiseWalk::Plane) {
   const OutputLayout layout = output_layout(a);
   const DirectProblem p = direct_problem(a, e);
+  // Depthwise on the CPU: the fused kernel (cpu/depthwise.cpp); on CUDA the direct kernels below.
+  if (p.in_per_group == 1 && p.groups > 1 && a.grad_output.is_cpu()) return depthwise_backward(a, layout, p, walk);
   const at::Tensor go = a.grad_output.contiguous();
   at::Tensor gi, gw, gb;
-  // Depthwise on the CPU: the fused kernel (cpu/depthwise.cpp); on CUDA the direct kernels below.
-  if (p.in_per_group == 1 && p.groups > 1 && go.is_cpu()) return depthwise_backward(a, layout, p, go, walk);
   if (a.output_mask[0]) {
     const at::Tensor w = a.weight.contiguous();
     gi = compute_into(empty_like_native(a.input.sizes(), a.input.options(), layout.fmt), [&](at::Tensor& out) {

@@ -86,6 +86,8 @@ enum class DepthwiseWalk { Plane, Lanes, Bands };
 bool depthwise_lanes_fits(const DirectProblem& p, at::ScalarType dtype);
 std::optional<std::string> depthwise_bands_unsupported(const DirectProblem& p, at::ScalarType dtype);
 DepthwiseWalk depthwise_table_walk(const DirectProblem& p, at::ScalarType dtype);
+// Whether the lanes walks read / write `t` in place: laid out NC(T)HW or channels-last (N(T)HWC).
+bool depthwise_lanes_layout(const at::Tensor& t);
 void depthwise_backward_cpu(
     const DirectProblem& p, DepthwiseWalk walk, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight, at::Tensor* grad_bias);

@@ -32,6 +32,15 @@
 #define ATEN_OVERRIDE_CLONES
 #endif
 #define ATEN_OVERRIDE_INLINE inline __attribute__((always_inline))
+// Fully unrolls the loop that follows (loops over compile-time register blocks: left rolled, their arrays
+// of vectors would live in memory).
+#if defined(__clang__)
+#define ATEN_OVERRIDE_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define ATEN_OVERRIDE_UNROLL _Pragma("GCC unroll 64")
+#else
+#define ATEN_OVERRIDE_UNROLL
+#endif
 
 namespace aten_override {
 namespace fused {
@@ -303,29 +312,33 @@ inline std::vector<int64_t> output_positions(const Plane& g) {
   return out;
 }
 
-// dst[(index[i] - base) * pitch + l] = src[l * lane_stride + i] for the first `lanes` of L lanes (0
-// in the others), i < positions: `lanes` planes into one vector per position of a tile whose positions
-// are `pitch` elements apart (L: one vector of channels; more: several, filled one call each). A tile
-// that holds part of a plane (depthwise bands) starts at position `base`.
+// dst[(index[i] - base) * pitch + l] = src[l * lane_stride + i * pos_stride] for the first `lanes` of L
+// lanes (0 in the others), i < positions: `lanes` planes into one vector per position of a tile whose
+// positions are `pitch` elements apart (L: one vector of channels; more: several, filled one call
+// each). A tile that holds part of a plane (depthwise bands) starts at position `base`. Planes are
+// rows (pos_stride 1, NCHW) or, channels-last (NHWC), positions of `lanes` channels (lane_stride 1).
 template <typename scalar_t, typename acc_t>
 void load_tiles_generic(
     const scalar_t* src, int64_t lane_stride, int64_t lanes, const int64_t* index, int64_t positions, acc_t* dst,
-    int64_t pitch, int64_t base) {
+    int64_t pitch, int64_t base, int64_t pos_stride) {
   constexpr int64_t L = Vec<acc_t>::size;
   for (int64_t i = 0; i < positions; ++i) {
     acc_t* d = dst + (index[i] - base) * pitch;
-    for (int64_t l = 0; l < L; ++l) d[l] = l < lanes ? static_cast<acc_t>(src[l * lane_stride + i]) : acc_t(0);
+    for (int64_t l = 0; l < L; ++l) {
+      d[l] = l < lanes ? static_cast<acc_t>(src[l * lane_stride + i * pos_stride]) : acc_t(0);
+    }
   }
 }
 
-// dst[l * lane_stride + i] = src[(index[i] - base) * pitch + l] for l < lanes: tiles back into planes.
+// dst[l * lane_stride + i * pos_stride] = src[(index[i] - base) * pitch + l] for l < lanes: tiles back
+// into planes.
 template <typename scalar_t, typename acc_t>
 void store_tiles_generic(
     const acc_t* src, int64_t pitch, const int64_t* index, int64_t positions, scalar_t* dst, int64_t lane_stride,
-    int64_t lanes, int64_t base) {
+    int64_t lanes, int64_t base, int64_t pos_stride) {
   for (int64_t l = 0; l < lanes; ++l) {
     for (int64_t i = 0; i < positions; ++i) {
-      dst[l * lane_stride + i] = static_cast<scalar_t>(src[(index[i] - base) * pitch + l]);
+      dst[l * lane_stride + i * pos_stride] = static_cast<scalar_t>(src[(index[i] - base) * pitch + l]);
     }
   }
 }
@@ -374,6 +387,23 @@ ATEN_OVERRIDE_AVX512 void load_tiles_avx512(
   }
 }
 
+// Channels-last planes (lane_stride 1): each position's `lanes` channels are one masked vector load.
+template <typename scalar_t>
+ATEN_OVERRIDE_AVX512 void load_positions_avx512(
+    const scalar_t* src, int64_t pos_stride, int64_t lanes, const int64_t* index, int64_t positions, float* dst,
+    int64_t pitch, int64_t base) {
+  const __mmask16 m = static_cast<__mmask16>(lanes >= 16 ? 0xffff : (1u << lanes) - 1);
+  for (int64_t i = 0; i < positions; ++i) _mm512_storeu_ps(dst + (index[i] - base) * pitch, load_row(src + i * pos_stride, m));
+}
+
+template <typename scalar_t>
+ATEN_OVERRIDE_AVX512 void store_positions_avx512(
+    const float* src, int64_t pitch, const int64_t* index, int64_t positions, scalar_t* dst, int64_t pos_stride,
+    int64_t lanes, int64_t base) {
+  const __mmask16 m = static_cast<__mmask16>(lanes >= 16 ? 0xffff : (1u << lanes) - 1);
+  for (int64_t i = 0; i < positions; ++i) store_row(dst + i * pos_stride, _mm512_loadu_ps(src + (index[i] - base) * pitch), m);
+}
+
 template <typename scalar_t>
 ATEN_OVERRIDE_AVX512 void store_tiles_avx512(
     const float* src, int64_t pitch, const int64_t* index, int64_t positions, scalar_t* dst, int64_t lane_stride,
@@ -398,25 +428,31 @@ constexpr bool kAvx512Tiles = std::is_same_v<acc_t, float> &&
 template <typename scalar_t, typename acc_t>
 void load_tiles(
     const scalar_t* src, int64_t lane_stride, int64_t lanes, const int64_t* index, int64_t positions, acc_t* dst,
-    int64_t pitch = Vec<acc_t>::size, int64_t base = 0) {
+    int64_t pitch = Vec<acc_t>::size, int64_t base = 0, int64_t pos_stride = 1) {
 #ifdef ATEN_OVERRIDE_AVX512
   if constexpr (kAvx512Tiles<scalar_t, acc_t>) {
-    if (has_avx512()) return load_tiles_avx512(src, lane_stride, lanes, index, positions, dst, pitch, base);
+    if (has_avx512() && pos_stride == 1) return load_tiles_avx512(src, lane_stride, lanes, index, positions, dst, pitch, base);
+    if (has_avx512() && lane_stride == 1) {
+      return load_positions_avx512(src, pos_stride, lanes, index, positions, dst, pitch, base);
+    }
   }
 #endif
-  load_tiles_generic(src, lane_stride, lanes, index, positions, dst, pitch, base);
+  load_tiles_generic(src, lane_stride, lanes, index, positions, dst, pitch, base, pos_stride);
 }
 
 template <typename scalar_t, typename acc_t>
 void store_tiles(
     const acc_t* src, const int64_t* index, int64_t positions, scalar_t* dst, int64_t lane_stride, int64_t lanes,
-    int64_t pitch = Vec<acc_t>::size, int64_t base = 0) {
+    int64_t pitch = Vec<acc_t>::size, int64_t base = 0, int64_t pos_stride = 1) {
 #ifdef ATEN_OVERRIDE_AVX512
   if constexpr (kAvx512Tiles<scalar_t, acc_t>) {
-    if (has_avx512()) return store_tiles_avx512(src, pitch, index, positions, dst, lane_stride, lanes, base);
+    if (has_avx512() && pos_stride == 1) return store_tiles_avx512(src, pitch, index, positions, dst, lane_stride, lanes, base);
+    if (has_avx512() && lane_stride == 1) {
+      return store_positions_avx512(src, pitch, index, positions, dst, pos_stride, lanes, base);
+    }
   }
 #endif
-  store_tiles_generic(src, pitch, index, positions, dst, lane_stride, lanes, base);
+  store_tiles_generic(src, pitch, index, positions, dst, lane_stride, lanes, base, pos_stride);
 }
 
 // Positions a running float32 sum covers before it is added into the sample's grad_weight /

@@ -32,9 +32,10 @@ CANDIDATES = ("native", "depthwise-plane", "depthwise-lanes", "depthwise-bands",
 def _call(c_in, c_out, groups, kernel, spatial, *, stride=1, padding=0, dilation=1, batch=2,
           dtype=torch.float32, channels_last=False, mask=(True, True, True), seed=0):
     dims = len(spatial)
+    kernel, dilation = (list(v) if isinstance(v, tuple) else [v] * dims for v in (kernel, dilation))
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, c_in, *spatial, generator=g)
-    w = torch.randn(c_out, c_in // groups, *([kernel] * dims), generator=g)
+    w = torch.randn(c_out, c_in // groups, *kernel, generator=g)
     conv = (torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d)[dims - 1]
     y = conv(x, w, stride=stride, padding=padding, dilation=dilation, groups=groups)
     go = torch.randn(y.shape, generator=g)
@@ -42,8 +43,7 @@ def _call(c_in, c_out, groups, kernel, spatial, *, stride=1, padding=0, dilation
     if channels_last:
         fmt = torch.channels_last if dims == 2 else torch.channels_last_3d
         x, go = x.contiguous(memory_format=fmt), go.contiguous(memory_format=fmt)
-    return (go, x, w, [c_out], [stride] * dims, [padding] * dims, [dilation] * dims, False, [0] * dims, groups,
-            list(mask))
+    return (go, x, w, [c_out], [stride] * dims, [padding] * dims, dilation, False, [0] * dims, groups, list(mask))
 
 
 def _calls():
@@ -69,6 +69,21 @@ def _calls():
         "depthwise 3-D 16x20x20 k3 p1": _call(17, 17, 17, 3, (16, 20, 20), padding=1, batch=1),
         "depthwise 3-D 18x21x21 k3 s2 bf16": _call(16, 16, 16, 3, (18, 21, 21), stride=2, padding=1,
                                                    dtype=torch.bfloat16, batch=1),
+        # depthwise-lanes / -bands with every stride 1 keep a kernel row's taps in registers (widths 1 to
+        # 8; 9 and dilation in W take the tap-block walk): runs of positions shorter than its 8- and
+        # 4-position blocks (W_out 1 to 7), dilation in H only, 3-D, multipliers, every dtype, bands
+        "depthwise k1 p0 x3": _call(5, 15, 5, 1, (9, 11)),
+        "depthwise 1-D k2 p1 odd channels": _call(19, 19, 19, 2, (37,), padding=1, batch=3),
+        "depthwise k4 p1 W_out 3": _call(16, 16, 16, 4, (12, 4), padding=1),
+        "depthwise k5 p0 W_out 1": _call(17, 17, 17, 5, (9, 5)),
+        "depthwise 1x6 p1 3-D": _call(16, 32, 16, (2, 1, 6), (3, 5, 13), padding=1),
+        "depthwise 3x7 dilation (2, 1) p3": _call(21, 21, 21, (3, 7), (17, 23), padding=3, dilation=(2, 1)),
+        "depthwise k8 p3 bf16": _call(18, 18, 18, 8, (15, 15), padding=3, dtype=torch.bfloat16),
+        "depthwise k9 p4 (tap blocks)": _call(16, 16, 16, 9, (12, 12), padding=4),
+        "depthwise k7 p3 f64 x2": _call(9, 18, 9, 7, (10, 9), padding=3, dtype=torch.float64),
+        "depthwise k7 p3 f16 channels_last": _call(20, 20, 20, 7, (9, 14), padding=3, dtype=torch.float16,
+                                                   channels_last=True),
+        "depthwise 112x112 k5 p2 batch 1 (bands)": _call(17, 17, 17, 5, (112, 112), padding=2, batch=1),
         "grouped 4 per group s2": _call(16, 16, 4, 3, (15, 15), stride=2, padding=1),
         "grouped 16 per group s2": _call(64, 64, 4, 3, (16, 16), stride=2, padding=1),
         "grouped 1-D k16 (wav2vec2 pos_conv)": _call(32, 32, 4, 16, (20,), padding=8),
@@ -117,10 +132,31 @@ def _calls():
     x5, w5, go5 = torch.randn(2, 6, 3, 9, 8, generator=g), torch.randn(10, 6, 1, 3, 3, generator=g), torch.randn(2, 10, 3, 9, 8, generator=g)
     calls["1x3x3 p(0,1,1) (R(2+1)D spatial)"] = (go5, x5, w5, [10], [1, 1, 1], [0, 1, 1], [1, 1, 1], False, [0, 0, 0], 1,
                                                  [True, True, True])
+    # The lanes walks read grad_output / input and write grad_input in place when NCHW or channels-last
+    # (ConvNeXt's depthwise layers arrive all channels-last): every dtype (AVX-512 position loads for
+    # float / bfloat16, plain loops otherwise), channels not a multiple of 16 (masked lanes), multipliers
+    # (channel stride 2), bands, 3-D, 1-D (N, L, C) permuted, and each tensor channels-last alone
+    calls["depthwise k7 p3 channels_last (ConvNeXt)"] = _call(40, 40, 40, 7, (14, 14), padding=3, channels_last=True)
+    calls["depthwise k3 p1 channels_last bf16"] = _call(24, 24, 24, 3, (13, 11), padding=1, dtype=torch.bfloat16,
+                                                        channels_last=True)
+    calls["depthwise k3 p1 channels_last f64 x2"] = _call(9, 18, 9, 3, (10, 12), padding=1, dtype=torch.float64,
+                                                          channels_last=True)
+    calls["depthwise 112x112 k3 p1 channels_last (bands)"] = _call(20, 20, 20, 3, (112, 112), padding=1, batch=1,
+                                                                   channels_last=True)
+    calls["depthwise 3-D k3 p1 channels_last_3d"] = _call(17, 17, 17, 3, (4, 9, 9), padding=1, channels_last=True)
+    go, x, w, *rest = _call(19, 19, 19, 5, (30,), padding=2, batch=3)
+    calls["depthwise 1-D k5 (N, L, C) permuted"] = (
+        go.transpose(1, 2).contiguous().transpose(1, 2), x.transpose(1, 2).contiguous().transpose(1, 2), w, *rest)
+    go, x, w, *rest = _call(33, 33, 33, 7, (12, 10), padding=3)
+    calls["depthwise k7 grad_output channels_last only"] = (go.contiguous(memory_format=torch.channels_last), x, w, *rest)
+    calls["depthwise k7 input channels_last only"] = (go, x.contiguous(memory_format=torch.channels_last), w, *rest)
     for mask in ((True, False, False), (False, True, True), (False, True, False)):
         bits = "".join("1" if m else "0" for m in mask)
         calls[f"3x3 p1 mask {bits}"] = _call(12, 20, 1, 3, (10, 13), padding=1, mask=mask)
         calls[f"depthwise 56x56 mask {bits}"] = _call(18, 18, 18, 3, (20, 56), padding=1, mask=mask)
+        calls[f"depthwise k7 28x28 mask {bits}"] = _call(17, 17, 17, 7, (28, 28), padding=3, mask=mask)
+        calls[f"depthwise k7 channels_last mask {bits}"] = _call(20, 20, 20, 7, (9, 9), padding=3, channels_last=True,
+                                                                 mask=mask)
         calls[f"depthwise 112x112 s2 mask {bits}"] = _call(17, 17, 17, 3, (112, 112), stride=2, padding=1, batch=1,
                                                            mask=mask)
         calls[f"pointwise 16->96 mask {bits}"] = _call(16, 96, 1, 1, (33, 40), mask=mask)
@@ -158,6 +194,30 @@ def test_every_depthwise_call_has_both_walks():
         if name.startswith("depthwise"):
             for kernel in ("depthwise-plane", "depthwise-lanes"):
                 ext.run_kernel(kernel, *args)  # raises ValueError if not a candidate
+
+
+@pytest.mark.parametrize("kernel", ["depthwise-lanes", "depthwise-bands"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_depthwise_lanes_walks_read_and_write_channels_last_in_place(kernel, dtype):
+    """ConvNeXt's depthwise calls arrive with grad_output and input channels-last, and native gives
+    grad_input channels-last: the lanes walks read and write them in place, no layout copy (the plane
+    walk copies to NCHW and back), and the results are native's."""
+    args = _call(20, 20, 20, 7, (112, 112), padding=3, batch=1, dtype=dtype, channels_last=True)
+    ext = compiled.extension()
+    try:
+        ext.run_kernel(kernel, *args)
+    except ValueError as e:  # bands: the whole-plane tiles fit this machine's L2
+        pytest.skip(str(e))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ours = ext.run_kernel(kernel, *args)
+    copies = [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::contiguous", "aten::clone")]
+    assert copies == [], f"{kernel} copied a tensor: {copies}"
+    assert ours[0].is_contiguous(memory_format=torch.channels_last)
+    reference = None if dtype is torch.float64 else float64_reference(args)
+    check_against_native(ours, call_native(args), reference, output_mask=args[-1], where=f"{kernel} channels-last {dtype}")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ext.run_kernel("depthwise-plane", *args)
+    assert any(e.name == "aten::copy_" for e in prof.events()), "the profiler no longer sees the plane walk's copies"
 
 
 BAND_CALLS = [name for name in CALLS if name.startswith("depthwise 112x112") or name.startswith("depthwise 3-D 16x")]
