@@ -109,7 +109,8 @@ constexpr LayerClassInfo kLayerClasses[] = {
     {"depthwise", "direct",
      "groups == C_in (channel multiplier C_out / C_in >= 1), any plane size: native's depthwise paths reach 1-6% "
      "of FLOP peak; fused kernel (cpu/depthwise.cpp), one pass over grad_output and input: plane by plane, or "
-     "with channels in the vector lanes on small or strided planes (MobileNetV2's 7x7 and stride-2 stages)"},
+     "with channels in the vector lanes on small or strided planes (MobileNetV2's 7x7 and stride-2 stages); the lanes walks "
+     "keep a kernel row's taps in registers at stride 1 and read / write channels-last tensors in place"},
     {"grouped", "direct",
      "1 < groups < C_in with (C_in / groups) * (C_out / groups) <= 64 (ResNeXt layer1): native reaches 7-13% of peak; "
      "direct kernel per group"},

@@ -19,7 +19,9 @@ depthwise            direct   ``groups == C_in`` (any channel multiplier, any pl
                               reaches 1-6% of FLOP peak; fused kernel (``csrc/cpu/depthwise.cpp``),
                               grad_input and grad_weight in one pass over grad_output and input;
                               the table takes channels in the vector lanes on small or strided
-                              planes (:func:`depthwise_kernel`); the autotuner measures both walks
+                              planes (:func:`depthwise_kernel`); the autotuner measures both walks;
+                              the lanes walks keep a kernel row's taps in registers at stride 1 and
+                              read / write channels-last tensors in place (ConvNeXt)
 grouped              direct   ``1 < groups < C_in``, ``(C_in/groups)*(C_out/groups) <= 64``; larger groups: dense
 one-channel          direct   ``groups == 1, C_in == 1`` (wav2vec2's first layer)
 small-planes         native   grouped / one-channel with under 64 output elements per channel: the
