@@ -613,55 +613,32 @@ ATEN_OVERRIDE_INLINE void rows_gather_runs(
   });
 }
 
+// Kernel rows of a register-blocked walk (row width K).
+inline int64_t kernel_rows(const LanesWalk& walk, int64_t width) {
+  return static_cast<int64_t>(walk.class_taps.size()) / width;
+}
+
 // Narrowest kernel rows whose grad_weight takes the register-blocked walk. Measured on MobileNetV2's and
 // EfficientNet's 3x3 depthwise layers (7x7 to 112x112 planes, one thread, Zen 4): 1.0-1.2x the tap-block
 // walk's time, while 5x5 and 7x7 rows take 0.55-0.8x of it. grad_input takes it at every width (3x3:
 // 0.7-1.0x).
 constexpr int64_t kRowsMinCorrelateWidth = 4;
 
-// op.template run<K>() for the walk's row width K (1 .. kMaxTaps).
-template <typename Op>
-ATEN_OVERRIDE_INLINE void for_row_width(int64_t width, Op&& op) {
+// f(std::integral_constant<int, K>{}) for the walk's row width K (1 .. kMaxTaps). f is a lambda marked
+// ATEN_OVERRIDE_ALWAYS_INLINE, so that its body is compiled into the caller's target clone.
+template <typename F>
+ATEN_OVERRIDE_INLINE void for_row_width(int64_t width, F&& f) {
   switch (width) {
-    case 1: op.template run<1>(); break;
-    case 2: op.template run<2>(); break;
-    case 3: op.template run<3>(); break;
-    case 4: op.template run<4>(); break;
-    case 5: op.template run<5>(); break;
-    case 6: op.template run<6>(); break;
-    case 7: op.template run<7>(); break;
-    default: op.template run<8>(); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
   }
 }
-
-template <typename acc_t>
-struct RowsCorrelateOp {
-  const LanesWalk& walk;
-  const int64_t* offset;
-  acc_t* acc;
-  const acc_t* gs;
-  const acc_t* xt;
-  const Window& win;
-  template <int K>
-  ATEN_OVERRIDE_INLINE void run() const {
-    rows_correlate_runs<K>(walk, static_cast<int64_t>(walk.class_taps.size()) / K, offset, acc, gs, xt, win);
-  }
-};
-
-template <typename acc_t>
-struct RowsGatherOp {
-  const LanesWalk& walk;
-  const int64_t* offset;
-  acc_t* out;
-  const acc_t* gs;
-  const acc_t* weight;
-  bool accumulate;
-  const Window& win;
-  template <int K>
-  ATEN_OVERRIDE_INLINE void run() const {
-    rows_gather_runs<K>(walk, static_cast<int64_t>(walk.class_taps.size()) / K, offset, out, gs, weight, accumulate, win);
-  }
-};
 
 template <typename acc_t>
 struct LanesCorrelateOp {
@@ -703,7 +680,9 @@ ATEN_OVERRIDE_INLINE void lanes_correlate_plane(
   const int64_t* outputs = walk.outputs.data();
   const auto [pos, count] = window_positions(outputs, outputs + walk.outputs.size(), win);
   if (acc && walk.row_width >= kRowsMinCorrelateWidth) {
-    for_row_width(walk.row_width, RowsCorrelateOp<acc_t>{walk, offset, acc, gs, xt, win});
+    for_row_width(walk.row_width, [&](auto width) ATEN_OVERRIDE_ALWAYS_INLINE {
+      rows_correlate_runs<decltype(width)::value>(walk, kernel_rows(walk, width), offset, acc, gs, xt, win);
+    });
   } else if (acc) {
     for_tap_blocks(taps, LanesCorrelateOp<acc_t>{acc, gs, xt, offset, pos, count, win.base});
   }
@@ -722,7 +701,9 @@ ATEN_OVERRIDE_INLINE void lanes_gather_plane(
     const Window& win) {
   constexpr int64_t L = Vec<acc_t>::size;
   if (walk.row_width) {
-    for_row_width(walk.row_width, RowsGatherOp<acc_t>{walk, offset, out, gs, weight, accumulate, win});
+    for_row_width(walk.row_width, [&](auto width) ATEN_OVERRIDE_ALWAYS_INLINE {
+      rows_gather_runs<decltype(width)::value>(walk, kernel_rows(walk, width), offset, out, gs, weight, accumulate, win);
+    });
     return;
   }
   const int64_t* inputs = walk.inputs.data();

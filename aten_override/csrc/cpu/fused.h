@@ -32,6 +32,8 @@
 #define ATEN_OVERRIDE_CLONES
 #endif
 #define ATEN_OVERRIDE_INLINE inline __attribute__((always_inline))
+// The same for a lambda (after its parameter list): inlined, its body takes the caller's target clone.
+#define ATEN_OVERRIDE_ALWAYS_INLINE __attribute__((always_inline))
 // Fully unrolls the loop that follows (loops over compile-time register blocks: left rolled, their arrays
 // of vectors would live in memory).
 #if defined(__clang__)
