@@ -30,7 +30,7 @@
 // of rows whose tiles fit a share of the L2 read from the machine (below, "bands of rows"). With
 // every stride 1 and kernel rows of at most 8 taps one position apart, both walk consecutive positions
 // with a kernel row's taps in registers (below, "kernel rows in registers"): ConvNeXt's 7x7 and
-// EfficientNet's 5x5 layers run at 0.55-0.8x the tap-block walk's time.
+// EfficientNet's 5x5 layers run at 0.52-0.74x the tap-block walk's time (one thread).
 #include "fused.h"
 
 #include <ATen/Dispatch.h>
@@ -528,7 +528,10 @@ ATEN_OVERRIDE_INLINE void rows_correlate(
   for (int64_t r = 0; r < rows; ++r) {
     typename V::type sums[P][K];
     ATEN_OVERRIDE_UNROLL
-    for (int q = 0; q < P; ++q) for (int k = 0; k < K; ++k) sums[q][k] = typename V::type{};
+    for (int q = 0; q < P; ++q) {
+      ATEN_OVERRIDE_UNROLL
+      for (int k = 0; k < K; ++k) sums[q][k] = typename V::type{};
+    }
     const acc_t* g = gs + j;
     const acc_t* x = xt + j + offset[r * K];
     int64_t i = 0;
@@ -577,7 +580,8 @@ ATEN_OVERRIDE_INLINE void rows_gather_block(
   for (int u = 0; u < U; ++u) V::store(out + u * L, sums[u]);
 }
 
-// The runs of `runs` that meet win, clipped to it: f(first vector offset, positions).
+// The runs of `runs` that meet win, clipped to it: f(first vector offset, positions); f is a lambda
+// marked ATEN_OVERRIDE_ALWAYS_INLINE (see for_row_width).
 template <typename acc_t, typename F>
 ATEN_OVERRIDE_INLINE void for_runs(const std::vector<Run>& runs, const Window& win, F&& f) {
   constexpr int64_t L = Vec<acc_t>::size;
@@ -593,7 +597,7 @@ ATEN_OVERRIDE_INLINE void rows_correlate_runs(
     const LanesWalk& walk, int64_t rows, const int64_t* offset, acc_t* acc, const acc_t* gs, const acc_t* xt,
     const Window& win) {
   constexpr int64_t L = Vec<acc_t>::size;
-  for_runs<acc_t>(walk.output_runs, win, [&](int64_t j, int64_t n) {
+  for_runs<acc_t>(walk.output_runs, win, [&](int64_t j, int64_t n) ATEN_OVERRIDE_ALWAYS_INLINE {
     for (int64_t i = 0; i < n; i += kLanesChunk) {
       rows_correlate<K>(acc, gs, xt, offset, rows, j + i * L, std::min(kLanesChunk, n - i));
     }
@@ -605,7 +609,7 @@ ATEN_OVERRIDE_INLINE void rows_gather_runs(
     const LanesWalk& walk, int64_t rows, const int64_t* offset, acc_t* out, const acc_t* gs, const acc_t* weight,
     bool accumulate, const Window& win) {
   constexpr int64_t L = Vec<acc_t>::size;
-  for_runs<acc_t>(walk.input_runs, win, [&](int64_t j, int64_t n) {
+  for_runs<acc_t>(walk.input_runs, win, [&](int64_t j, int64_t n) ATEN_OVERRIDE_ALWAYS_INLINE {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) rows_gather_block<K, 8>(out + j + i * L, gs + j + i * L, weight, offset, rows, accumulate);
     for (; i + 4 <= n; i += 4) rows_gather_block<K, 4>(out + j + i * L, gs + j + i * L, weight, offset, rows, accumulate);
@@ -620,7 +624,7 @@ inline int64_t kernel_rows(const LanesWalk& walk, int64_t width) {
 
 // Narrowest kernel rows whose grad_weight takes the register-blocked walk. Measured on MobileNetV2's and
 // EfficientNet's 3x3 depthwise layers (7x7 to 112x112 planes, one thread, Zen 4): 1.0-1.2x the tap-block
-// walk's time, while 5x5 and 7x7 rows take 0.55-0.8x of it. grad_input takes it at every width (3x3:
+// walk's time, while 5x5 and 7x7 rows take 0.52-0.74x of it. grad_input takes it at every width (3x3:
 // 0.7-1.0x).
 constexpr int64_t kRowsMinCorrelateWidth = 4;
 
