@@ -213,6 +213,8 @@ class OpRecord:
 
 
 _PLAIN = frozenset({int, float, bool, str, type(None)})
+_IDS_MIN_SWEEP = 256
+"""The ``$n`` table of :meth:`trace._tensor_id` is first swept of dead tensors at this size."""
 
 
 def _encode_default(value):
@@ -533,6 +535,8 @@ class trace(contextlib.ContextDecorator):
         self._ops.clear()
         self._agg = _LiveAggregates()
         self._ids: dict[int, tuple[weakref.ref, int]] = {}
+        self._ids_lock = threading.RLock()
+        self._ids_sweep_at = _IDS_MIN_SWEEP
         self._next_tensor_id = itertools.count()
         self._next_call_id = itertools.count(1)
         self._pending_events: list = []
@@ -738,15 +742,42 @@ class trace(contextlib.ContextDecorator):
         return value
 
     def _tensor_id(self, t: torch.Tensor) -> int:
-        """``$n`` of ``t``: stable while ``t`` lives; a new tensor at a reused address gets a new n."""
-        entry = self._ids.get(id(t))
+        """``$n`` of ``t``: stable while ``t`` lives; a new tensor at a reused address gets a new n.
+
+        The table maps ``id(t)`` to a weak reference *without a callback* and ``n``: an entry whose
+        reference is dead belongs to a tensor that is gone (its address may hold a new tensor, which
+        then gets a new n). Dead entries are dropped by :meth:`_sweep_ids` when the table has grown
+        to twice its size after the last sweep (at least ``_IDS_MIN_SWEEP``), so it stays bounded
+        by the live tensors at amortized O(1) per call. No callback, because CPython ignores an
+        exception raised inside a weakref callback (it prints "Exception ignored in: ..." and goes
+        on): with one callback per traced tensor, a SIGTERM / Ctrl-C whose handler ran inside it was
+        lost, and ``aten_override run`` never exited (see :mod:`aten_override.cli.run`).
+
+        The lookup takes no lock (a live entry is never removed); adding and sweeping do, so a sweep
+        cannot drop the entry another thread just added at a reused address. The lock is reentrant:
+        an allocation here may run the garbage collector, and a finalizer may trace a tensor."""
+        key = id(t)
+        entry = self._ids.get(key)
         if entry is not None and entry[0]() is t:
             return entry[1]
-        n = next(self._next_tensor_id)
-        key = id(t)
-        # the entry goes when the tensor does: the table stays bounded by the live tensors
-        self._ids[key] = (weakref.ref(t, functools.partial(_forget, self._ids, key)), n)
+        with self._ids_lock:
+            entry = self._ids.get(key)  # another thread may have numbered t meanwhile
+            if entry is not None and entry[0]() is t:
+                return entry[1]
+            n = next(self._next_tensor_id)
+            self._ids[key] = (weakref.ref(t), n)
+            if len(self._ids) >= self._ids_sweep_at:
+                self._sweep_ids()
         return n
+
+    def _sweep_ids(self) -> None:
+        """Drop the entries of dead tensors (``_ids_lock`` held); the next sweep comes when the
+        table has doubled, so each costs O(1) per entry added since the previous one."""
+        ids = self._ids
+        for key, entry in list(ids.items()):
+            if entry[0]() is None and ids.get(key) is entry:  # not re-added by a reentrant call
+                del ids[key]
+        self._ids_sweep_at = max(2 * len(ids), _IDS_MIN_SWEEP)
 
     def _tensor_info(self, t: torch.Tensor) -> TensorInfo:
         strided = t.layout is torch.strided
@@ -932,13 +963,6 @@ def _compiled_kernel() -> tuple[str | None, dict | None]:
     last = ext.last_call()
     tuning = {"times_us": dict(last["times_us"]), "rejected": dict(last["rejected"])} if last["tuned"] else None
     return f"compiled/{last['kernel']}", tuning
-
-
-def _forget(ids: dict, key: int, ref) -> None:
-    """Weakref callback: drop a dead tensor's ``$n`` entry unless a new tensor took its address."""
-    entry = ids.get(key)
-    if entry is not None and entry[0] is ref:
-        del ids[key]
 
 
 # --- every aten op of the backward pass --------------------------------------------------------

@@ -585,9 +585,54 @@ def test_memory_is_bounded_whatever_the_run_length():
         for _ in range(6_000):
             _OP(*args)
         rss1 = rss_bytes()
-        assert len(t._ids) < 20  # the 3 arguments and the last call's outputs, not every output ever
+        # swept of dead tensors when it doubles, not every output ever (24,000); alive: the 3 arguments
+        assert len(t._ids) <= tracing._IDS_MIN_SWEEP
+        assert sum(ref() is not None for ref, _ in t._ids.values()) < 20
     assert t.data().aggregates.calls == 8_000 and len(t.calls) == 100
     assert rss1 - rss0 <= 256 * PAGE, f"RSS grew {(rss1 - rss0) / 1024:.0f} KiB over 6,000 traced calls"
+
+
+def test_tensor_id_table_stays_bounded_under_short_lived_tensors():
+    """The $n table holds weak references without callbacks (CPython ignores an exception raised
+    in a weakref callback: a SIGTERM handled in the table's callback left `aten_override run`
+    running) and drops dead tensors when it has doubled since the last sweep: 10,000 short-lived
+    tensors at distinct addresses leave it bounded by the live ones, which keep their ids."""
+    with aten_override.trace(log=False) as t:
+        kept = [torch.empty(0) for _ in range(300)]  # more than half the first sweep's size
+        ids = [t._tensor_id(k) for k in kept]
+        bound = max(2 * (len(kept) + 1), tracing._IDS_MIN_SWEEP)
+        spacers, addresses, largest = [], set(), 0
+        for _ in range(10_000):
+            x = torch.empty(0)
+            addresses.add(id(x))
+            t._tensor_id(x)
+            del x
+            spacers.append(torch.empty(0))  # takes x's address: the next x is elsewhere
+            largest = max(largest, len(t._ids))
+        assert len(addresses) > 10 * bound  # unswept, the table would have outgrown the bound
+        assert largest <= bound
+        assert [t._tensor_id(k) for k in kept] == ids
+        assert sum(ref() is not None for ref, _ in t._ids.values()) == len(kept)
+        assert all(ref.__callback__ is None for ref, _ in t._ids.values())
+
+
+def test_a_new_tensor_at_a_reused_address_gets_a_new_id():
+    with aten_override.trace(log=False) as t:
+        a = torch.empty(0)
+        address, n = id(a), t._tensor_id(a)
+        assert t._tensor_id(a) == n
+        del a
+        assert address in t._ids  # dead but not swept yet: the lookup must not hand out n
+        others = []
+        for _ in range(1_000):
+            b = torch.empty(0)
+            if id(b) == address:
+                break
+            others.append(b)
+        else:
+            pytest.fail("no new tensor took the freed address")
+        m = t._tensor_id(b)
+        assert m != n and t._tensor_id(b) == m
 
 
 def test_pass_through_backend_is_one_call_with_an_inner_call():

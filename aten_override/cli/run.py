@@ -14,13 +14,18 @@ program's (``sys.exit(n)``; 1 for an uncaught exception; 128 + the signal's numb
 (Ctrl-C: 130) and SIGTERM (143), as a shell reports a process the signal ended). ``--trace FILE``
 streams records to FILE as JSON lines while the program runs (flushed line by line) and ends it
 with a summary footer, also when the program raises or gets SIGINT/SIGTERM; a process killed
-outright (SIGKILL, a crash in native code) leaves a valid file without the footer.
+outright (SIGKILL, a crash in native code) leaves a valid file without the footer. A SIGINT/SIGTERM
+whose exception CPython swallowed (its handler ran inside a weakref callback or ``__del__``) is
+delivered again, so the program still stops (:func:`_redeliver_swallowed_signal`).
 """
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import collections
 import contextlib
+import functools
 import importlib.util
 import os
 import runpy
@@ -138,15 +143,61 @@ def _raise_terminated(signum, frame):
 @contextlib.contextmanager
 def _sigterm_as_exception():
     """While the program runs, SIGTERM unwinds it like Ctrl-C does (``finally`` blocks run, the trace
-    gets its footer). Only the main thread can set handlers; elsewhere nothing changes."""
+    gets its footer), and ``sys.unraisablehook`` delivers again a SIGTERM or Ctrl-C that CPython
+    swallowed (:func:`_redeliver_swallowed_signal`). Only the main thread can set handlers (and
+    only it runs them); elsewhere nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_redeliver_swallowed_signal, previous_hook)
     try:
         yield
     finally:
+        sys.unraisablehook = previous_hook
         signal.signal(signal.SIGTERM, previous)
+
+
+def _redeliver_swallowed_signal(previous_hook, unraisable) -> None:
+    """``sys.unraisablehook`` while the program runs: a SIGTERM or Ctrl-C that CPython swallowed is
+    delivered again.
+
+    Python runs a signal handler at the next bytecode boundary of the main thread. When that
+    boundary is inside a weakref callback, a ``__del__`` or a garbage-collector callback, the
+    handler's exception (our :class:`Terminated`, or ``KeyboardInterrupt`` from Ctrl-C's default
+    handler) cannot propagate: CPython passes it to this hook ("Exception ignored in: ...") and goes
+    on, and the program never stops. So, once the previous hook has printed it as usual, the signal
+    is tripped again with ``_thread.interrupt_main(signum)`` and its handler runs at the next
+    boundary after this hook has returned: normally in the code that dropped the object, where the
+    exception propagates (if that is another such callback, the same happens there).
+
+    The trip must be this frame's last step and must not be a call: CPython also runs pending
+    handlers right after every call returns (and at function entry and backward jumps), so after
+    ``_thread.interrupt_main(signum)`` called here the handler would run inside this hook, whose
+    exceptions are swallowed too ("Exception ignored in sys.unraisablehook"; raising the signal with
+    ``signal.raise_signal`` runs it at once, same end). A subscript is no such boundary:
+    ``trip[signum]`` on a ``defaultdict`` whose factory is ``interrupt_main`` (all C) trips the
+    signal without one, and nothing after it in this frame checks.
+    """
+    exc = unraisable.exc_value
+    signum = None
+    if threading.current_thread() is threading.main_thread():  # where handlers run
+        if isinstance(exc, Terminated):
+            signum = exc.signum
+        elif isinstance(exc, KeyboardInterrupt):
+            signum = signal.SIGINT
+    if signum is None:
+        previous_hook(unraisable)
+        return
+    trip = collections.defaultdict(functools.partial(_thread.interrupt_main, signum))
+    try:
+        previous_hook(unraisable)
+        if sys.stderr is not None:
+            print(f"aten_override run: {signal.Signals(signum).name} arrived inside a callback, where Python "
+                  "ignores exceptions (above); delivering it again", file=sys.stderr)
+    finally:
+        trip[signum]  # interrupt_main(signum), no call: see the docstring
 
 
 def _run_program(args) -> int:
