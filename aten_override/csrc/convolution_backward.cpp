@@ -810,16 +810,18 @@ void direct_grad_weight(const DirectProblem& p, const at::Tensor& go, const at::
   direct_grad_weight_cpu(p, go, x, gw);
 }
 
+// `out` itself when it is contiguous, else a contiguous tensor of its sizes and options to compute
+// into (copied into `out` afterwards).
+at::Tensor contiguous_buffer(const at::Tensor& out) {
+  return out.is_contiguous() ? out : at::empty(out.sizes(), out.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
 // Runs `compute(out)` into `out` directly when it is contiguous, else into a contiguous buffer copied over.
 template <typename F>
 at::Tensor compute_into(at::Tensor out, F compute) {
-  if (out.is_contiguous()) {
-    compute(out);
-    return out;
-  }
-  at::Tensor buffer = at::empty(out.sizes(), out.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor buffer = contiguous_buffer(out);
   compute(buffer);
-  out.copy_(buffer);
+  if (!buffer.is_same(out)) out.copy_(buffer);
   return out;
 }
 
@@ -832,17 +834,12 @@ Result depthwise_backward(const Args& a, const OutputLayout& layout, const Direc
     return walk != DepthwiseWalk::Plane && depthwise_lanes_layout(t) ? t : t.contiguous();
   };
   const auto writable = [&](const at::Tensor& out) {
-    return out.is_contiguous() || (walk != DepthwiseWalk::Plane && depthwise_lanes_layout(out))
-        ? out
-        : at::empty(out.sizes(), out.options().memory_format(at::MemoryFormat::Contiguous));
+    return walk != DepthwiseWalk::Plane && depthwise_lanes_layout(out) ? out : contiguous_buffer(out);
   };
   at::Tensor gi, gw, gb, gi_buffer, gw_buffer;
   const at::Tensor go = readable(a.grad_output);
   if (a.output_mask[0]) gi_buffer = writable(gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt));
-  if (a.output_mask[1]) {
-    gw = empty_like_native_weight(a.weight, layout);
-    gw_buffer = gw.is_contiguous() ? gw : at::empty(gw.sizes(), gw.options().memory_format(at::MemoryFormat::Contiguous));
-  }
+  if (a.output_mask[1]) gw_buffer = contiguous_buffer(gw = empty_like_native_weight(a.weight, layout));
   if (a.output_mask[2]) gb = at::empty({go.size(1)}, go.options());
   depthwise_backward_cpu(
       p, walk, go, a.output_mask[1] ? readable(a.input) : at::Tensor(), a.output_mask[0] ? a.weight.contiguous() : at::Tensor(),
@@ -883,9 +880,6 @@ template <typename Compute>
 Result contiguous_kernel_backward(const Args& a, Compute compute) {
   const OutputLayout layout = output_layout(a);
   at::Tensor gi, gw, gb, gi_buffer, gw_buffer;
-  const auto contiguous_buffer = [](const at::Tensor& out) {
-    return out.is_contiguous() ? out : at::empty(out.sizes(), out.options().memory_format(at::MemoryFormat::Contiguous));
-  };
   if (a.output_mask[0]) gi_buffer = contiguous_buffer(gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt));
   if (a.output_mask[1]) gw_buffer = contiguous_buffer(gw = empty_like_native_weight(a.weight, layout));
   compute(
