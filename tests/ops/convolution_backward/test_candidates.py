@@ -84,6 +84,15 @@ def _calls():
         "depthwise k7 p3 f16 channels_last": _call(20, 20, 20, 7, (9, 14), padding=3, dtype=torch.float16,
                                                    channels_last=True),
         "depthwise 112x112 k5 p2 batch 1 (bands)": _call(17, 17, 17, 5, (112, 112), padding=2, batch=1),
+        # depthwise-plane with every stride 1 slides kernel rows of 2 or 3 taps in registers, in groups
+        # of 4 (2 taps) or 3 (3 taps) rows: groups with fewer rows, no padding (its first shifted read
+        # lies before the taps' first position), float64 (8 lanes), a multiplier, every dtype
+        "depthwise 7x3 p0 (row groups 3, 3, 1)": _call(16, 16, 16, (7, 3), (12, 9)),
+        "depthwise 5x2 p0 f64 x2 (row groups 4, 1)": _call(9, 18, 9, (5, 2), (11, 10), dtype=torch.float64),
+        "depthwise k3 p0 7x7 f16": _call(20, 20, 20, 3, (7, 7), dtype=torch.float16),
+        "depthwise k3 p1 21x19 bf16 x3": _call(6, 18, 6, 3, (21, 19), padding=1, dtype=torch.bfloat16),
+        "depthwise 3x3 dilation (3, 1) p3": _call(16, 16, 16, 3, (17, 23), padding=3, dilation=(3, 1)),
+        "depthwise 66x3 (66 kernel rows: tap blocks)": _call(4, 4, 4, (66, 3), (67, 9), batch=1),
         "grouped 4 per group s2": _call(16, 16, 4, 3, (15, 15), stride=2, padding=1),
         "grouped 16 per group s2": _call(64, 64, 4, 3, (16, 16), stride=2, padding=1),
         "grouped 1-D k16 (wav2vec2 pos_conv)": _call(32, 32, 4, 16, (20,), padding=8),
