@@ -283,9 +283,20 @@ ATEN_OVERRIDE_INLINE void for_row_groups(int64_t rows, F&& f) {
   }
 }
 
-// g.offset of the first tap of each kernel row (row width `width`).
-ATEN_OVERRIDE_INLINE void row_offsets(const Plane& g, int64_t width, int64_t* out) {
-  for (int64_t r = 0; r < g.taps / width; ++r) out[r] = g.offset[r * width];
+// The kernel rows of g (row width `width`, where `slides`) in groups: f(std::integral_constant<int, K>,
+// std::integral_constant<int, R>, the group's first row r, the g.offset of the first tap of rows r ..
+// r + R - 1). f is a lambda marked ATEN_OVERRIDE_ALWAYS_INLINE.
+template <typename F>
+ATEN_OVERRIDE_INLINE void for_slid_row_groups(const Plane& g, int64_t width, F&& f) {
+  int64_t offsets[kSlideMaxRows];
+  for (int64_t r = 0; r < g.taps / width; ++r) offsets[r] = g.offset[r * width];
+  const auto groups = [&](auto k) ATEN_OVERRIDE_ALWAYS_INLINE {
+    for_row_groups<decltype(k)::value>(g.taps / width, [&](int64_t r, auto rows) ATEN_OVERRIDE_ALWAYS_INLINE {
+      f(k, rows, r, offsets + r);
+    });
+  };
+  if (width == 2) groups(std::integral_constant<int, 2>{});
+  else groups(std::integral_constant<int, 3>{});
 }
 
 // acc[k] (one vector per tap) += grad_weight contribution of one grad_output plane (`gs`, from its
@@ -297,16 +308,10 @@ ATEN_OVERRIDE_INLINE void correlate_plane(const Plane& g, int64_t width, acc_t* 
     // gs is zero from span on (slack), so the range may be rounded up.
     const int64_t J = round_up<acc_t>(g.span());
     if (slides(g, width)) {
-      int64_t offsets[kSlideMaxRows];
-      row_offsets(g, width, offsets);
-      const auto slide = [&](auto k) ATEN_OVERRIDE_ALWAYS_INLINE {
+      for_slid_row_groups(g, width, [&](auto k, auto rows, int64_t r, const int64_t* offsets) ATEN_OVERRIDE_ALWAYS_INLINE {
         constexpr int K = decltype(k)::value;
-        for_row_groups<K>(g.taps / K, [&](int64_t r, auto rows) ATEN_OVERRIDE_ALWAYS_INLINE {
-          slide_correlate_rows<K, decltype(rows)::value>(acc + r * K * Vec<acc_t>::size, gs, xp, offsets + r, J);
-        });
-      };
-      if (width == 2) slide(std::integral_constant<int, 2>{});
-      else slide(std::integral_constant<int, 3>{});
+        slide_correlate_rows<K, decltype(rows)::value>(acc + r * K * Vec<acc_t>::size, gs, xp, offsets, J);
+      });
       return;
     }
     for_tap_blocks(g.taps, CorrelateOp<acc_t>{acc, gs, xp, g.offset.data(), 0, J});
@@ -330,16 +335,10 @@ ATEN_OVERRIDE_INLINE void gather_plane(
   if (g.flat) {
     const int64_t j0 = g.first(), j1 = j0 + round_up<acc_t>(g.last() - j0);
     if (slides(g, width)) {
-      int64_t offsets[kSlideMaxRows];
-      row_offsets(g, width, offsets);
-      const auto slide = [&](auto k) ATEN_OVERRIDE_ALWAYS_INLINE {
+      for_slid_row_groups(g, width, [&](auto k, auto rows, int64_t r, const int64_t* offsets) ATEN_OVERRIDE_ALWAYS_INLINE {
         constexpr int K = decltype(k)::value;
-        for_row_groups<K>(g.taps / K, [&](int64_t r, auto rows) ATEN_OVERRIDE_ALWAYS_INLINE {
-          slide_gather_rows<K, decltype(rows)::value>(out, gs, weight + r * K, offsets + r, accumulate || r > 0, j0, j1);
-        });
-      };
-      if (width == 2) slide(std::integral_constant<int, 2>{});
-      else slide(std::integral_constant<int, 3>{});
+        slide_gather_rows<K, decltype(rows)::value>(out, gs, weight + r * K, offsets, accumulate || r > 0, j0, j1);
+      });
       return;
     }
     for_tap_blocks(
