@@ -173,6 +173,18 @@ constexpr int64_t kSlideMaxWidth = 3;
 // Most kernel rows the plane walk slides (their offsets sit in an array on the stack).
 constexpr int64_t kSlideMaxRows = 64;
 
+// The windows are one instruction each (vpermt2ps / vpermt2pd) only in the x86-64-v4 (AVX-512)
+// target clone; GCC builds them through the stack in the x86-64-v3 and default clones (their
+// disassembly: ~1,400 stack stores against 33), so there the plane walk keeps its tap blocks.
+bool slide_instructions() {
+#ifdef ATEN_OVERRIDE_AVX512
+  static const bool yes = has_avx512() && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512cd");
+  return yes;
+#else
+  return false;
+#endif
+}
+
 // Whether the plane walk slides g's kernel rows (`width`: register_row_width's).
 ATEN_OVERRIDE_INLINE bool slides(const Plane& g, int64_t width) {
   return width >= 2 && width <= kSlideMaxWidth && g.taps / width <= kSlideMaxRows;
@@ -443,7 +455,8 @@ void depthwise_impl(
   using acc_t = acc_type<scalar_t>;
   constexpr int64_t L = Vec<acc_t>::size;
   const Plane g = make_plane(p, L);
-  const int64_t width = register_row_width(g, p.kernel[2]);  // kernel rows slid in registers (2 or 3 taps)
+  // Kernel rows slid in registers (2 or 3 taps), where the CPU runs the AVX-512 clone.
+  const int64_t width = slide_instructions() ? register_row_width(g, p.kernel[2]) : 0;
   const int64_t channels = p.groups, multiplier = p.out_per_group;
   const int64_t in_plane = p.in[0] * p.in[1] * p.in[2], out_plane = p.out[0] * p.out[1] * p.out[2];
   const int64_t per_channel = multiplier * g.taps;  // grad_weight / weight elements of one input channel
