@@ -353,9 +353,7 @@ ATEN_OVERRIDE_INLINE void gather_plane(
       });
       return;
     }
-    for_tap_blocks(
-        g.taps, GatherOp<acc_t>{out, gs, weight, g.offset.data(), g.class_taps.data(), accumulate, j0,
-                                j0 + round_up<acc_t>(g.last() - j0)});
+    for_tap_blocks(g.taps, GatherOp<acc_t>{out, gs, weight, g.offset.data(), g.class_taps.data(), accumulate, j0, j1});
     return;
   }
   // Whole rows (the pitch is a multiple of the lanes): a row never runs into the next one.
