@@ -6,9 +6,10 @@
 // Im2col: per chunk of output positions, columns col (C_in * taps, positions) gathered from input
 //   (zeros where a tap reads padding); grad_weight += go @ col^T, then the same buffer takes
 //   col = weight^T @ go, added back into grad_input (col2im). A chunk is a set
-//   of whole samples (folded into the GEMM's inner dim) or a run of output rows of one sample, sized
-//   so the workspace (columns plus a grad_output copy) stays under kWorkspaceBytes: never a full
-//   N x C_in * taps x positions buffer. Pointwise layers (1x1, stride 1, no padding) use input and
+//   of whole samples (folded into the GEMM's inner dim), a run of output rows of one sample, or a part
+//   of one long row (1-D layers: wav2vec2's 1,599-position rows took a 13 MB workspace per call at one
+//   second of audio, 131 MB at ten), sized so the workspace (columns plus a grad_output copy) stays
+//   under kWorkspaceBytes: never a full N x C_in * taps x positions buffer. Pointwise layers (1x1, stride 1, no padding) use input and
 //   grad_input themselves as the columns, views with no copy, whenever a chunk is one sample.
 // Kn2row: kernels with more than one tap in a single dim (a 3x1x1 temporal layer, a 1-D layer), stride
 //   1: per tap, one GEMM on shifted views of input / grad_input (no copy at all):
@@ -44,6 +45,11 @@ constexpr int64_t kGroupWorkspaceBytes = int64_t{1} << 20;
 // wide enough on their own, and pointwise layers then need no copy. Smaller samples are folded.
 constexpr int64_t kMinSampleColumns = 512;
 
+// A row is split into parts only when it is longer than the workspace allows and than this: narrower
+// GEMMs lose speed (a grouped layer's 1 MiB workspace would otherwise cut wav2vec2's positional
+// convolution, 49 frames of 48 channels x 128 taps per group, into GEMMs 25 columns wide).
+constexpr int64_t kMinPartColumns = 256;
+
 int64_t numel3(const std::array<int64_t, 3>& a) {
   return a[0] * a[1] * a[2];
 }
@@ -61,30 +67,46 @@ bool identity_columns(const DirectProblem& p) {
 }
 
 // Output positions: rows [row_begin, row_end) (a row is one (t, h) of grad_output, out[2] positions
-// long) of samples [n_begin, n_end). Several samples only ever come with all their rows.
+// long) of samples [n_begin, n_end), positions [w_begin, w_end) of each row. Several samples only ever
+// come with all their rows, and a part of a row (a long 1-D row) only ever alone.
 struct Chunk {
-  int64_t n_begin, n_end, row_begin, row_end;
+  int64_t n_begin, n_end, row_begin, row_end, w_begin, w_end;
   int64_t samples() const {
     return n_end - n_begin;
   }
   int64_t rows() const {
     return row_end - row_begin;
   }
+  int64_t width() const {
+    return w_end - w_begin;
+  }
+  int64_t columns() const {
+    return samples() * rows() * width();
+  }
 };
 
 std::vector<Chunk> plan_chunks(const DirectProblem& p, int64_t bytes_per_column, int64_t budget) {
   const int64_t rows = p.out[0] * p.out[1], width = p.out[2], sample = rows * width;
-  const int64_t max_columns = bytes_per_column == 0
-      ? sample
-      : std::max(width, budget / bytes_per_column);
+  const int64_t max_columns = bytes_per_column == 0 ? sample : std::max<int64_t>(1, budget / bytes_per_column);
   std::vector<Chunk> chunks;
   if (sample <= max_columns) {
     const int64_t samples = sample >= kMinSampleColumns ? 1 : std::max<int64_t>(1, max_columns / sample);
-    for (int64_t n = 0; n < p.batch; n += samples) chunks.push_back({n, std::min(n + samples, p.batch), 0, rows});
-  } else {
+    for (int64_t n = 0; n < p.batch; n += samples) chunks.push_back({n, std::min(n + samples, p.batch), 0, rows, 0, width});
+  } else if (width <= std::max(max_columns, kMinPartColumns)) {
     const int64_t rows_per_chunk = std::max<int64_t>(1, max_columns / width);
     for (int64_t n = 0; n < p.batch; ++n) {
-      for (int64_t r = 0; r < rows; r += rows_per_chunk) chunks.push_back({n, n + 1, r, std::min(r + rows_per_chunk, rows)});
+      for (int64_t r = 0; r < rows; r += rows_per_chunk) {
+        chunks.push_back({n, n + 1, r, std::min(r + rows_per_chunk, rows), 0, width});
+      }
+    }
+  } else {
+    // Rows longer than a chunk (1-D layers): equal parts of each row.
+    const int64_t most = std::max(max_columns, kMinPartColumns);
+    const int64_t parts = (width + most - 1) / most, part = (width + parts - 1) / parts;
+    for (int64_t n = 0; n < p.batch; ++n) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t w = 0; w < width; w += part) chunks.push_back({n, n + 1, r, r + 1, w, std::min(w + part, width)});
+      }
     }
   }
   return chunks;
@@ -144,8 +166,8 @@ inline void for_each_row_tap(
 // padding. One thread per channel (its taps' rows). S: the W stride when known at compile time, else 0.
 template <int64_t S, typename scalar_t>
 void im2col(const DirectProblem& p, const scalar_t* input, int64_t sample_stride, const Chunk& c, scalar_t* col) {
-  const int64_t channels = p.groups * p.in_per_group, taps = numel3(p.kernel), width = p.out[2];
-  const int64_t columns = c.samples() * c.rows() * width, plane = numel3(p.in);
+  const int64_t channels = p.groups * p.in_per_group, taps = numel3(p.kernel), width = c.width();
+  const int64_t columns = c.columns(), plane = numel3(p.in);
   const int64_t sw = S ? S : p.stride[2];
   const std::vector<WTap> wt = w_taps(p);
   at::parallel_for(0, channels, 1, [&](int64_t begin, int64_t end) {
@@ -154,15 +176,18 @@ void im2col(const DirectProblem& p, const scalar_t* input, int64_t sample_stride
         const scalar_t* src_plane = input + n * sample_stride + ci * plane;
         scalar_t* dst_sample = col + ci * taps * columns + (n - c.n_begin) * c.rows() * width;
         for_each_row_tap(p, c.row_begin, c.row_end, wt, [&](int64_t tap, int64_t row, int64_t in_row, const WTap& w) {
-          scalar_t* dst = dst_sample + tap * columns + row * width;
+          scalar_t* dst = dst_sample + tap * columns + row * width;  // the chunk's positions of the row
           if (in_row < 0) {
             std::fill(dst, dst + width, scalar_t(0));
             return;
           }
-          const scalar_t* src = src_plane + in_row + w.offset;
-          std::fill(dst, dst + w.lo, scalar_t(0));
-          for (int64_t j = w.lo; j < w.hi; ++j) dst[j] = src[j * sw];
-          std::fill(dst + w.hi, dst + width, scalar_t(0));
+          // Positions [lo, hi) of the row read the input, w = c.w_begin + j.
+          const int64_t lo = std::clamp(w.lo, c.w_begin, c.w_end) - c.w_begin;
+          const int64_t hi = std::clamp(w.hi, c.w_begin, c.w_end) - c.w_begin;
+          const scalar_t* src = src_plane + in_row + w.offset + c.w_begin * sw;
+          std::fill(dst, dst + lo, scalar_t(0));
+          for (int64_t j = lo; j < hi; ++j) dst[j] = src[j * sw];
+          std::fill(dst + hi, dst + width, scalar_t(0));
         });
       }
     }
@@ -175,21 +200,23 @@ void im2col(const DirectProblem& p, const scalar_t* input, int64_t sample_stride
 template <int64_t S, typename scalar_t>
 void col2im(
     const DirectProblem& p, const scalar_t* col, const Chunk& c, scalar_t* grad_input, int64_t sample_stride) {
-  const int64_t channels = p.groups * p.in_per_group, taps = numel3(p.kernel), width = p.out[2];
-  const int64_t columns = c.samples() * c.rows() * width, plane = numel3(p.in);
+  const int64_t channels = p.groups * p.in_per_group, taps = numel3(p.kernel), width = c.width();
+  const int64_t columns = c.columns(), plane = numel3(p.in);
   const int64_t sw = S ? S : p.stride[2];
   const std::vector<WTap> wt = w_taps(p);
   at::parallel_for(0, c.samples() * channels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = c.n_begin + item / channels, ci = item % channels;
       scalar_t* dst_plane = grad_input + n * sample_stride + ci * plane;
-      if (c.row_begin == 0) std::fill(dst_plane, dst_plane + plane, scalar_t(0));
+      if (c.row_begin == 0 && c.w_begin == 0) std::fill(dst_plane, dst_plane + plane, scalar_t(0));
       const scalar_t* src_sample = col + ci * taps * columns + (n - c.n_begin) * c.rows() * width;
       for_each_row_tap(p, c.row_begin, c.row_end, wt, [&](int64_t tap, int64_t row, int64_t in_row, const WTap& w) {
         if (in_row < 0) return;
         const scalar_t* src = src_sample + tap * columns + row * width;
-        scalar_t* dst = dst_plane + in_row + w.offset;
-        for (int64_t j = w.lo; j < w.hi; ++j) dst[j * sw] += src[j];
+        const int64_t lo = std::clamp(w.lo, c.w_begin, c.w_end) - c.w_begin;
+        const int64_t hi = std::clamp(w.hi, c.w_begin, c.w_end) - c.w_begin;
+        scalar_t* dst = dst_plane + in_row + w.offset + c.w_begin * sw;
+        for (int64_t j = lo; j < hi; ++j) dst[j * sw] += src[j];
       });
     }
   });
@@ -335,7 +362,7 @@ void im2col_backward(
   const bool views = column_views(p);
   const std::vector<Chunk> chunks = im2col_plan(p, go.element_size(), budget);
   int64_t max_columns = 0;
-  for (const auto& c : chunks) max_columns = std::max(max_columns, c.samples() * c.rows() * width);
+  for (const auto& c : chunks) max_columns = std::max(max_columns, c.columns());
   const at::Tensor col_ws = views ? at::Tensor() : ws.get(ws.columns, c_in * taps * max_columns, go.options());
   const at::Tensor go_ws = chunks.size() < static_cast<size_t>(p.batch)
       ? ws.get(ws.grad_output, c_out * max_columns, go.options())
@@ -344,8 +371,8 @@ void im2col_backward(
   const at::Tensor gw2 = gw.defined() ? gw.view({c_out, -1}) : at::Tensor();
   bool first = true;
   for (const Chunk& c : chunks) {
-    const int64_t columns = c.samples() * c.rows() * width, first_column = c.row_begin * width;
-    const bool whole = c.rows() == p.out[0] * p.out[1];
+    const int64_t columns = c.columns(), first_column = c.row_begin * width + c.w_begin;
+    const bool whole = c.rows() == p.out[0] * p.out[1] && c.width() == width;
     at::Tensor go_c;  // (C_out, columns)
     if (c.samples() == 1) {
       go_c = matrix(go[c.n_begin]).narrow(1, first_column, columns);

@@ -117,6 +117,11 @@ def _calls():
         "pointwise 1152->1280 3x3 (wide)": _call(1152, 1280, 1, 1, (3, 3), batch=2),
         "pointwise 40->24 channels_last": _call(40, 24, 1, 1, (15, 9), channels_last=True),
         "1-D k3 s2 (wav2vec2 feature encoder)": _call(16, 16, 1, 3, (199,), stride=2),
+        # gemm-im2col splits rows longer than its workspace holds (8 MiB; 1 MiB per group): parts that
+        # start and end inside the padding, strides and dilation across part boundaries, float64
+        "1-D k5 s2 p3 d2 long rows": _call(256, 128, 1, 5, (8001,), stride=2, padding=3, dilation=2),
+        "grouped 1-D k7 s3 p2 d2 long rows f64": _call(128, 64, 2, 7, (4600,), stride=3, padding=2, dilation=2,
+                                                      dtype=torch.float64, batch=1),
         "3x1x1 (R(2+1)D)": _call(8, 8, 1, 1, (6, 7, 7)),
         "3-D 3x3x3": _call(4, 6, 1, 3, (5, 6, 6), padding=1),
         # winograd (3x3 stride 1, groups 1): padding 0-2, odd and tiny planes (partial tiles, tiles
@@ -169,6 +174,7 @@ def _calls():
         calls[f"depthwise 112x112 s2 mask {bits}"] = _call(17, 17, 17, 3, (112, 112), stride=2, padding=1, batch=1,
                                                            mask=mask)
         calls[f"pointwise 16->96 mask {bits}"] = _call(16, 96, 1, 1, (33, 40), mask=mask)
+        calls[f"1-D long rows mask {bits}"] = _call(512, 8, 1, 4, (2203,), stride=2, padding=1, batch=1, mask=mask)
     return calls
 
 
@@ -194,6 +200,21 @@ def test_candidate_matches_native(kernel, call):
     assert ours is not None, f"{kernel} declined finite inputs"
     reference = None if args[0].dtype is torch.float64 else float64_reference(args)
     check_against_native(ours, call_native(args), reference, output_mask=args[-1], where=f"{kernel} on {call}")
+
+
+@pytest.mark.parametrize("call,budget", [("1-D k5 s2 p3 d2 long rows", 8 << 20),
+                                         ("grouped 1-D k7 s3 p2 d2 long rows f64", 1 << 20)])
+def test_gemm_im2col_workspace_stays_bounded_on_long_rows(call, budget):
+    """gemm-im2col's columns stay within its workspace bound on 1-D layers too: a row longer than the
+    bound holds is split into parts (it used to be one chunk: wav2vec2's encoder took 13 MB of columns
+    per call on one second of audio, 131 MB on ten). Every allocation but the outputs is within it."""
+    args = CALLS[call]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        ours = compiled.extension().run_kernel("gemm-im2col", *args)
+    outputs = {t.numel() * t.element_size() for t in ours if t is not None}
+    allocations = [e.cpu_memory_usage for e in prof.events() if e.name == "aten::empty"]
+    assert allocations, "the profiler no longer sees the workspace's allocation"
+    assert max(a for a in allocations if a not in outputs) <= budget, (allocations, outputs)
 
 
 def test_every_depthwise_call_has_both_walks():
