@@ -62,17 +62,30 @@ ATEN_OVERRIDE_INLINE void gi_tile(
   using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
   for (int64_t c0 = 0; c0 < c_out; c0 += kGiBlock) {
-    typename V::type acc[kGiRows][NV] = {};
+    // Every index of acc a constant (unrolled loops, `rows` tested inside): with a variable one GCC kept
+    // acc in memory, zeroed per call by a 1.5 KB `rep stos` (6% of the kernel's time, perf).
+    typename V::type acc[kGiRows][NV];
+    ATEN_OVERRIDE_UNROLL
+    for (int i = 0; i < kGiRows; ++i) {
+      ATEN_OVERRIDE_UNROLL
+      for (int v = 0; v < NV; ++v) acc[i][v] = typename V::type{};
+    }
     const acc_t* g_row = go + c0 * ld_go;
     const acc_t* w_row = wp + c0 * kGiRows;
     for (int64_t co = c0; co < std::min(c_out, c0 + kGiBlock); ++co, g_row += ld_go, w_row += kGiRows) {
       typename V::type g[NV];
+      ATEN_OVERRIDE_UNROLL
       for (int v = 0; v < NV; ++v) g[v] = V::load(g_row + v * L);
+      ATEN_OVERRIDE_UNROLL
       for (int i = 0; i < kGiRows; ++i) {
+        ATEN_OVERRIDE_UNROLL
         for (int v = 0; v < NV; ++v) acc[i][v] += w_row[i] * g[v];
       }
     }
-    for (int i = 0; i < rows; ++i) {
+    ATEN_OVERRIDE_UNROLL
+    for (int i = 0; i < kGiRows; ++i) {
+      if (i >= rows) break;
+      ATEN_OVERRIDE_UNROLL
       for (int v = 0; v < NV; ++v) {
         acc_t* out = gi + i * ld_gi + v * L;
         V::store(out, c0 == 0 ? acc[i][v] : V::load(out) + acc[i][v]);
@@ -111,17 +124,27 @@ ATEN_OVERRIDE_INLINE void gw_tile(
   // measured 7.5 eps of grad_weight where native has 2.1).
   for (int64_t p0 = 0; p0 < n; p0 += kGwBlock) {
     const int64_t p1 = std::min(n, p0 + kGwBlock);
-    typename V::type acc[R][NV] = {};
+    typename V::type acc[R][NV];  // zeroed in registers (see gi_tile)
+    ATEN_OVERRIDE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      ATEN_OVERRIDE_UNROLL
+      for (int v = 0; v < NV; ++v) acc[r][v] = typename V::type{};
+    }
     const acc_t* row = xt + p0 * ld_xt;
     for (int64_t p = p0; p < p1; ++p, row += ld_xt) {
       typename V::type b[NV];
+      ATEN_OVERRIDE_UNROLL
       for (int v = 0; v < NV; ++v) b[v] = V::load(row + v * L);
+      ATEN_OVERRIDE_UNROLL
       for (int r = 0; r < R; ++r) {
         const acc_t g = go[r * ld_go + p];
+        ATEN_OVERRIDE_UNROLL
         for (int v = 0; v < NV; ++v) acc[r][v] += g * b[v];
       }
     }
+    ATEN_OVERRIDE_UNROLL
     for (int r = 0; r < R; ++r) {
+      ATEN_OVERRIDE_UNROLL
       for (int v = 0; v < NV; ++v) V::store(out + r * ld_out + v * L, V::load(out + r * ld_out + v * L) + acc[r][v]);
     }
   }
