@@ -27,12 +27,14 @@ import collections
 import contextlib
 import functools
 import importlib.util
+import io
 import os
 import runpy
 import signal
 import sys
 import threading
 import traceback
+import types
 
 from . import positive_int
 
@@ -119,6 +121,8 @@ def _check(args) -> None:
         script = args.program[0]
         if not os.path.isfile(script):
             parser.error(f"script {script!r}: no such file")
+    if args.chrome_trace is not None and args.aggregate_only:
+        parser.error("--chrome-trace draws the recorded calls, and --aggregate-only records none: use one of them")
     for option in ("trace", "chrome_trace"):
         path = getattr(args, option)
         if path is not None:
@@ -200,6 +204,27 @@ def _redeliver_swallowed_signal(previous_hook, unraisable) -> None:
         trip[signum]  # interrupt_main(signum), no call: see the docstring
 
 
+def _run_script(path: str) -> None:
+    """Run the script at ``path`` as ``__main__``, as ``python path`` does: ``__file__`` absolute (Python
+    3.9+; a script that changes directory still finds the files beside it) while ``sys.argv[0]`` stays as
+    typed. ``runpy.run_path`` sets both to the path it is given, so it can give only one of them; these
+    are its module globals for a source file otherwise (no loader, spec or cached file)."""
+    file = os.path.abspath(path)
+    with io.open_code(file) as f:
+        code = compile(f.read(), file, "exec")
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=file, __cached__=None, __loader__=None, __package__=None, __spec__=None)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is None:
+            sys.modules.pop("__main__", None)
+        else:
+            sys.modules["__main__"] = saved
+
+
 def _run_program(args) -> int:
     """Run the program as ``python script.py`` / ``python -m`` would; returns its exit code."""
     saved_argv = sys.argv[:]
@@ -214,7 +239,7 @@ def _run_program(args) -> int:
             runpy.run_module(args.module[0], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(args.program)
-            runpy.run_path(args.program[0], run_name="__main__")
+            _run_script(args.program[0])
     except SystemExit as e:
         return _exit_code(e.code)
     except KeyboardInterrupt:

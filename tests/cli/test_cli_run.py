@@ -120,6 +120,10 @@ def test_run_errors(capsys, program, tmp_path):
     assert cli_error(capsys, "run", "--trace", tmp_path / "no" / "t.json", program).endswith(
         f"directory '{tmp_path / 'no'}' does not exist"
     )
+    assert cli_error(capsys, "run", "--chrome-trace", tmp_path / "c.json", "--aggregate-only", program) == (
+        "python -m aten_override run: error: --chrome-trace draws the recorded calls, and --aggregate-only records "
+        "none: use one of them"
+    )
     # --backend is validated as test --backend is (backend names and module:function), not by argparse choices
     assert "--backend fast: aten_override: unknown backend 'fast'" in cli_error(capsys, "run", "--backend", "fast", program)
     assert "has no function 'nope'" in cli_error(capsys, "run", "--backend", "aten_override.testing.example_backends:nope", program)
@@ -277,6 +281,31 @@ def test_signal_swallowed_in_a_callback_is_delivered_again(tmp_path, signum, sta
     assert data.complete and data.aggregates.calls >= 3
     assert {c.backend for c in data.calls} == {"python"}
     assert f"calls traced to {trace_file}" in err
+
+
+def test_run_gives_the_script_what_python_gives_it(tmp_path):
+    """A script run by `run` sees what `python script.py` gives it: __file__ absolute (Python 3.9+) while
+    sys.argv[0] stays as typed, and sys.path[0] its own directory, also after it changes directory (a
+    relative __file__ used to break scripts that find their data beside them after os.chdir)."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "data.txt").write_text("beside the script")
+    (tmp_path / "sub" / "where.py").write_text(textwrap.dedent("""\
+        import os, sys
+        print("file:", __file__)
+        print("argv0:", sys.argv[0])
+        print("path0:", sys.path[0])
+        here = os.path.dirname(os.path.abspath(__file__))
+        os.chdir(os.sep)
+        print("data:", open(os.path.join(here, "data.txt")).read())
+        """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    native = subprocess.run([sys.executable, os.path.join("sub", "where.py")], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60)
+    ours = run_cli("run", "--backend", "aten", os.path.join("sub", "where.py"), cwd=tmp_path)
+    assert native.returncode == 0, native.stderr
+    assert ours.returncode == 0, ours.stderr
+    assert ours.stdout == native.stdout
+    assert f"file: {tmp_path / 'sub' / 'where.py'}" in ours.stdout and "data: beside the script" in ours.stdout
 
 
 def test_run_accepts_module_function_backends(program, tmp_path):
