@@ -9,8 +9,9 @@
 //   of whole samples (folded into the GEMM's inner dim), a run of output rows of one sample, or a part
 //   of one long row (1-D layers: wav2vec2's 1,599-position rows took a 13 MB workspace per call at one
 //   second of audio, 131 MB at ten), sized so the workspace (columns plus a grad_output copy) stays
-//   under kWorkspaceBytes: never a full N x C_in * taps x positions buffer. Pointwise layers (1x1, stride 1, no padding) use input and
-//   grad_input themselves as the columns, views with no copy, whenever a chunk is one sample.
+//   under kWorkspaceBytes: never a full N x C_in * taps x positions buffer. Pointwise layers (1x1,
+//   stride 1, no padding) use input and grad_input themselves as the columns, views with no copy,
+//   whenever a chunk is one sample.
 // Kn2row: kernels with more than one tap in a single dim (a 3x1x1 temporal layer, a 1-D layer), stride
 //   1: per tap, one GEMM on shifted views of input / grad_input (no copy at all):
 //   grad_weight[:, :, tap] += go @ input_shifted^T, grad_input_shifted += weight[:, :, tap]^T @ go.
