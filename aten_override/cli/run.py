@@ -225,6 +225,19 @@ def _run_script(path: str) -> None:
             sys.modules["__main__"] = saved
 
 
+def _print_program_traceback(e: BaseException) -> None:
+    """The traceback of an exception the program raised, from the program's first frame, as Python
+    prints it: without the frames of ``run`` and runpy that called the program."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None and _is_launcher(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    traceback.print_exception(type(e), e, tb)
+
+
+def _is_launcher(filename: str) -> bool:
+    return filename in (__file__, runpy.__file__) or filename == "<frozen runpy>"
+
+
 def _run_program(args) -> int:
     """Run the program as ``python script.py`` / ``python -m`` would; returns its exit code."""
     saved_argv = sys.argv[:]
@@ -242,14 +255,14 @@ def _run_program(args) -> int:
             _run_script(args.program[0])
     except SystemExit as e:
         return _exit_code(e.code)
-    except KeyboardInterrupt:
-        traceback.print_exc()
+    except KeyboardInterrupt as e:
+        _print_program_traceback(e)
         return 128 + signal.SIGINT
     except Terminated as e:
         print(f"aten_override run: the program was {e}", file=sys.stderr)
         return 128 + e.signum
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as e:
+        _print_program_traceback(e)
         return 1
     finally:
         sys.argv = saved_argv

@@ -82,6 +82,9 @@ def test_run_module_that_raises_still_saves_trace(program, tmp_path):
     proc = run_cli("run", "--backend", "aten", "--trace", trace_file, "-m", "prog", "--raise", cwd=tmp_path)
     assert proc.returncode == 1
     assert "ValueError: the program failed" in proc.stderr
+    # the traceback starts at the program, as python's own does: no frame of run or runpy
+    frames = [line for line in proc.stderr.splitlines() if line.startswith('  File "')]
+    assert frames and frames[0].startswith(f'  File "{tmp_path / "prog.py"}"'), proc.stderr
     assert "argv: ['--raise']" in proc.stdout
     assert [(c.module, c.backend) for c in tracing.load(trace_file).calls] == [("Net.head", "aten"), ("Net.features.0", "aten")]
 
