@@ -1870,6 +1870,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "For the autotuner's tests: add a fake candidate 'test' to every tuning, 'slow' (native's result, taking "
       "twice as long) or 'wrong' (zeros, fast); 'off' removes it.");
   m.def("kernel_names", []() { return std::vector<std::string>(std::begin(kKernelNames), std::end(kKernelNames)); });
+  m.def(
+      "winograd_gemm",
+      []() {
+        const WinogradGemm g = winograd_gemm();
+        py::dict out;
+        out["engine"] = g.vectors ? "vectors" : "library";
+        out["library_us"] = g.library_us;
+        out["vectors_us"] = g.vectors_us;
+        out["forced"] = g.forced;
+        return out;
+      },
+      "winograd_gemm() -> {'engine': 'library' | 'vectors', 'library_us': float, 'vectors_us': float}: which code "
+      "runs the winograd kernel's 16 GEMMs per chunk, measured once per process on a chunk-sized float32 problem "
+      "(16 x (64 x 256) @ (256 x 256), one thread): the library's bmm (MKL) or our vector micro-kernels "
+      "(fused::gemm_add), each one's fastest run in microseconds, and whether set_winograd_gemm forced the engine");
+  m.def(
+      "set_winograd_gemm",
+      [](std::optional<std::string> engine) {
+        if (!engine) return set_winograd_gemm(std::nullopt);
+        if (*engine != "library" && *engine != "vectors") {
+          throw py::value_error("set_winograd_gemm: engine must be 'library', 'vectors' or None, got '" + *engine + "'");
+        }
+        set_winograd_gemm(*engine == "vectors");
+      },
+      py::arg("engine"),
+      "set_winograd_gemm(engine): force the winograd kernel's GEMM engine ('library' or 'vectors'; tests run both "
+      "on any machine), or None for the measured one. Raises ValueError for another name");
   m.def("autotune_entries", &py_autotune_entries,
         "[(signature, kernel, {candidate: fastest run us}, {candidate: why it could not win}, tuning us)] of the "
         "results table; times and tuning cost are empty / 0 for loaded entries.");

@@ -107,6 +107,16 @@ void grouped_lanes_backward_cpu(
 // NC(D)HW of one floating dtype, outputs contiguous, every element written; float16 / bfloat16
 // compute in float32. winograd_unsupported says why a problem is not one of these (nullopt: it is).
 std::optional<std::string> winograd_unsupported(const DirectProblem& p);
+// Which code runs the Winograd kernel's 16 GEMMs per chunk, measured once per process on a chunk-sized
+// float32 problem on one thread: the library's bmm (MKL) or fused::gemm_add's vector micro-kernels
+// (vectors), with each one's fastest run in microseconds; `forced` when set_winograd_gemm chose instead
+// (tests run both engines on any machine; nullopt: the measured one again).
+struct WinogradGemm {
+  bool vectors = false, forced = false;
+  double library_us = 0, vectors_us = 0;
+};
+WinogradGemm winograd_gemm();
+void set_winograd_gemm(std::optional<bool> vectors);
 void winograd_backward_cpu(
     const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight);

@@ -14,9 +14,10 @@
 //   grad_input[ci, p] = sum_co weight[co, ci] * grad_output[co, p]: kGiRows channels x kGiVecs vectors
 //     of positions per micro-kernel, a broadcast weight times a grad_output vector per FMA;
 //   grad_weight[co, ci] += sum_p grad_output[co, p] * input[ci, p]: the chunk's input transposed to
-//     [position][channel] (fused.h's 16x16 tiles), then kGwRows output channels x kGwVecs vectors of
-//     input channels per micro-kernel, a broadcast grad_output element times an input vector per FMA.
-// Every float32 sum runs over blocks of at most kGiBlock / kGwBlock terms in registers, then their
+//     [position][channel] (fused.h's 16x16 tiles), then fused::gemm_add's micro-kernels (kGemmRows
+//     output channels x kGemmVecs vectors of input channels, a broadcast grad_output element times an
+//     input vector per FMA).
+// Every float32 sum runs over blocks of at most kGiBlock / kGemmBlock terms in registers, then their
 // totals (within twice native's error; one running sum was 4-7x native's on long sums).
 // The chunk's grad_output is read from memory once and serves both gradients from the cache.
 //
@@ -41,12 +42,10 @@ using fused::Vec;
 
 constexpr int kGiRows = 8;  // grad_input: channels per micro-kernel (kGiRows x kGiVecs accumulators)
 constexpr int kGiVecs = 3;  // grad_input: vectors of positions per micro-kernel
-constexpr int kGwRows = 8;  // grad_weight: C_out rows per micro-kernel (kGwRows x kGwVecs accumulators)
-constexpr int kGwVecs = 3;  // grad_weight: vectors of C_in channels per micro-kernel
 // Terms summed in registers before they are added to the stored total: grad_input's C_out channels
-// (up to 128 in one pass: MobileNetV2's and EfficientNet's expand layers), grad_weight's positions.
+// (up to 128 in one pass: MobileNetV2's and EfficientNet's expand layers); grad_weight's positions:
+// fused::kGemmBlock.
 constexpr int64_t kGiBlock = 128;
-constexpr int64_t kGwBlock = 64;
 // Partial grad_weight sums: at most this many (fixed, so the bits do not depend on the thread count),
 // and fewer where they would take more than kSlabBytes.
 constexpr int64_t kMaxSlabs = 32;
@@ -111,71 +110,6 @@ ATEN_OVERRIDE_INLINE void gi_scalar(
   }
 }
 
-// out[r * ld_out + v * L ..] += sum_{p < n} go[r * ld_go + p] * xt[p * ld_xt + v * L ..] for r < R and
-// NV vectors of input channels: xt is the chunk's input transposed to [position][channel], so each
-// FMA is a broadcast grad_output element times a vector of channels, and the sums stay in vectors.
-template <typename acc_t, int R, int NV>
-ATEN_OVERRIDE_INLINE void gw_tile(
-    const acc_t* go, int64_t ld_go, const acc_t* xt, int64_t ld_xt, int64_t n, acc_t* out, int64_t ld_out) {
-  using V = Vec<acc_t>;
-  constexpr int64_t L = V::size;
-  // Sums of kGwBlock positions in registers, added into out block by block: a float32 sum then runs
-  // over at most kGwBlock terms at each level (one running sum of a chunk's ~1,000 mean-1 products
-  // measured 7.5 eps of grad_weight where native has 2.1).
-  for (int64_t p0 = 0; p0 < n; p0 += kGwBlock) {
-    const int64_t p1 = std::min(n, p0 + kGwBlock);
-    typename V::type acc[R][NV];  // zeroed in registers (see gi_tile)
-    ATEN_OVERRIDE_UNROLL
-    for (int r = 0; r < R; ++r) {
-      ATEN_OVERRIDE_UNROLL
-      for (int v = 0; v < NV; ++v) acc[r][v] = typename V::type{};
-    }
-    const acc_t* row = xt + p0 * ld_xt;
-    for (int64_t p = p0; p < p1; ++p, row += ld_xt) {
-      typename V::type b[NV];
-      ATEN_OVERRIDE_UNROLL
-      for (int v = 0; v < NV; ++v) b[v] = V::load(row + v * L);
-      ATEN_OVERRIDE_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const acc_t g = go[r * ld_go + p];
-        ATEN_OVERRIDE_UNROLL
-        for (int v = 0; v < NV; ++v) acc[r][v] += g * b[v];
-      }
-    }
-    ATEN_OVERRIDE_UNROLL
-    for (int r = 0; r < R; ++r) {
-      ATEN_OVERRIDE_UNROLL
-      for (int v = 0; v < NV; ++v) V::store(out + r * ld_out + v * L, V::load(out + r * ld_out + v * L) + acc[r][v]);
-    }
-  }
-}
-
-template <typename acc_t, int R>
-ATEN_OVERRIDE_INLINE void gw_tile_vecs(
-    const acc_t* go, int64_t ld_go, const acc_t* xt, int64_t ld_xt, int64_t n, acc_t* out, int64_t ld_out, int vecs) {
-  switch (vecs) {
-    case 1: return gw_tile<acc_t, R, 1>(go, ld_go, xt, ld_xt, n, out, ld_out);
-    case 2: return gw_tile<acc_t, R, 2>(go, ld_go, xt, ld_xt, n, out, ld_out);
-    default: return gw_tile<acc_t, R, kGwVecs>(go, ld_go, xt, ld_xt, n, out, ld_out);
-  }
-}
-
-template <typename acc_t>
-ATEN_OVERRIDE_INLINE void gw_block(
-    const acc_t* go, int64_t ld_go, const acc_t* xt, int64_t ld_xt, int64_t n, acc_t* out, int64_t ld_out, int rows,
-    int vecs) {
-  switch (rows) {
-    case 1: return gw_tile_vecs<acc_t, 1>(go, ld_go, xt, ld_xt, n, out, ld_out, vecs);
-    case 2: return gw_tile_vecs<acc_t, 2>(go, ld_go, xt, ld_xt, n, out, ld_out, vecs);
-    case 3: return gw_tile_vecs<acc_t, 3>(go, ld_go, xt, ld_xt, n, out, ld_out, vecs);
-    case 4: return gw_tile_vecs<acc_t, 4>(go, ld_go, xt, ld_xt, n, out, ld_out, vecs);
-    case 5: return gw_tile_vecs<acc_t, 5>(go, ld_go, xt, ld_xt, n, out, ld_out, vecs);
-    case 6: return gw_tile_vecs<acc_t, 6>(go, ld_go, xt, ld_xt, n, out, ld_out, vecs);
-    case 7: return gw_tile_vecs<acc_t, 7>(go, ld_go, xt, ld_xt, n, out, ld_out, vecs);
-    default: return gw_tile_vecs<acc_t, kGwRows>(go, ld_go, xt, ld_xt, n, out, ld_out, vecs);
-  }
-}
-
 // One chunk: positions [0, n) from go / x / gi, whose channel rows are `plane` elements apart.
 // wp: the weight packed for gi_tile (null: no grad_input); gw: this slab's partial (null: no grad_weight).
 struct Chunk {
@@ -230,11 +164,12 @@ ATEN_OVERRIDE_INLINE void run_chunk(const Chunk& k) {
     for (int64_t c = 0; c < k.c_in; c += L) {
       fused::load_tiles(x + c * k.plane, k.plane, std::min(L, k.c_in - c), k.index, k.n, xt + c, k.ci_pad);
     }
-    for (int64_t r = 0; r < k.c_out; r += kGwRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kGwRows, k.c_out - r));
-      for (int64_t c = 0; c < k.ci_pad; c += kGwVecs * L) {
-        const int vecs = static_cast<int>(std::min<int64_t>(kGwVecs, (k.ci_pad - c) / L));
-        gw_block(go + r * k.plane, k.plane, xt + c, k.ci_pad, k.n, gw + r * k.ci_pad + c, k.ci_pad, rows, vecs);
+    // grad_weight (C_out x ci_pad) += grad_output rows (C_out x n) @ xt (n x ci_pad), rows outer.
+    for (int64_t r = 0; r < k.c_out; r += fused::kGemmRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(fused::kGemmRows, k.c_out - r));
+      for (int64_t c = 0; c < k.ci_pad; c += fused::kGemmVecs * L) {
+        const int vecs = static_cast<int>(std::min<int64_t>(fused::kGemmVecs, (k.ci_pad - c) / L));
+        fused::gemm_block(go + r * k.plane, k.plane, 1, xt + c, k.ci_pad, k.n, gw + r * k.ci_pad + c, k.ci_pad, rows, vecs);
       }
     }
   }

@@ -377,8 +377,47 @@ def test_pointwise_fused_declines_what_it_does_not_compute_and_says_why():
         ext.run_kernel("pointwise-fused", *grouped_1x1)
 
 
+@pytest.fixture(params=["library", "vectors"])
+def winograd_engine(request):
+    """Forces the winograd kernel's GEMM engine (measured once per process, so one machine would
+    otherwise test only the engine that wins there), and restores the measured choice."""
+    ext = compiled.extension()
+    ext.set_winograd_gemm(request.param)
+    try:
+        yield request.param
+    finally:
+        ext.set_winograd_gemm(None)
+
+
+_WINOGRAD_CALLS = [name for kernel, name in (p.values for p in _claimed()) if kernel == "winograd"] \
+    if compiled.unavailable_reason() is None else []
+
+
+@pytest.mark.parametrize("call", _WINOGRAD_CALLS)
+def test_winograd_matches_native_with_either_gemm_engine(winograd_engine, call):
+    """Both engines of the 16 GEMMs per chunk (the library's bmm, our vector micro-kernels with any
+    strides of a: grad_weight reads H^T as a transposed view), whichever this machine measured faster."""
+    args = CALLS[call]
+    assert compiled.extension().winograd_gemm()["engine"] == winograd_engine
+    ours = compiled.extension().run_kernel("winograd", *args)
+    reference = None if args[0].dtype is torch.float64 else float64_reference(args)
+    check_against_native(ours, call_native(args), reference, output_mask=args[-1],
+                         where=f"winograd ({winograd_engine} GEMMs) on {call}")
+
+
+def test_winograd_gemm_engine_is_the_measured_faster_one():
+    ext = compiled.extension()
+    report = ext.winograd_gemm()
+    assert report["library_us"] > 0 and report["vectors_us"] > 0, report
+    assert not report["forced"]
+    assert report["engine"] == ("vectors" if report["vectors_us"] < report["library_us"] else "library"), report
+    with pytest.raises(ValueError, match="engine must be 'library', 'vectors' or None, got 'mkl'"):
+        ext.set_winograd_gemm("mkl")
+    assert ext.winograd_gemm() == report
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_winograd_is_deterministic_at_any_thread_count(threads):
+def test_winograd_is_deterministic_at_any_thread_count(threads, winograd_engine):
     """At each thread count (threads take runs of tile chunks; grad_weight's per-thread sums are added
     in task order) two runs give the same bits and match native."""
     ext = compiled.extension()
