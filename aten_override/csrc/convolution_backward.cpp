@@ -194,6 +194,7 @@ enum class Kernel : int {
   GemmKn2row,    // cpu/gemm.cpp, one GEMM per tap
   Winograd,      // cpu/winograd.cpp, grad_input F(2x2, 3x3), grad_weight F(3x3, 2x2)
   PointwiseFused,  // cpu/pointwise.cpp, 1x1 stride 1: both gradients in one pass, vector micro-kernels
+  Kn2rowLanes,   // cpu/kn2row.cpp, 1-D stride 1: per tap over the positions it meets, vector micro-kernels
   Test,          // a fake candidate for the autotuner's tests (set_test_candidate); never otherwise
   Count
 };
@@ -201,7 +202,7 @@ enum class Kernel : int {
 constexpr const char* kKernelNames[] = {"native",          "zeros",           "sum",           "upcast",
                                         "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct",
                                         "grouped-lanes",   "gemm-im2col",     "gemm-kn2row",   "winograd",
-                                        "pointwise-fused", "test"};
+                                        "pointwise-fused", "kn2row-lanes",    "test"};
 static_assert(sizeof(kKernelNames) / sizeof(kKernelNames[0]) == static_cast<size_t>(Kernel::Count));
 
 
@@ -906,6 +907,11 @@ Result pointwise_fused_backward(const Args& a, const Expanded& e) {
   return contiguous_kernel_backward(a, [&](auto&&... t) { pointwise_backward_cpu(direct_problem(a, e), t...); });
 }
 
+// The kn2row-lanes kernel's result, in upstream's layout (cpu/kn2row.cpp).
+Result kn2row_lanes_backward(const Args& a, const Expanded& e) {
+  return contiguous_kernel_backward(a, [&](auto&&... t) { kn2row_lanes_backward_cpu(direct_problem(a, e), t...); });
+}
+
 // The Winograd kernel's result, in upstream's layout (cpu/winograd.cpp).
 Result winograd_backward(const Args& a, const Expanded& e) {
   return contiguous_kernel_backward(a, [&](auto&&... t) { winograd_backward_cpu(direct_problem(a, e), t...); });
@@ -1095,6 +1101,7 @@ std::optional<std::string> candidate_unsupported(Kernel k, const Args& a, const 
       return "not stride 1 with taps in one dim, or reduced precision";
     case Kernel::Winograd: return winograd_unsupported(p);
     case Kernel::PointwiseFused: return pointwise_unsupported(p, dtype);
+    case Kernel::Kn2rowLanes: return kn2row_lanes_unsupported(p, dtype);
     case Kernel::Test:
       if (test_candidate().load() != TestCandidate::Off) return std::nullopt;
       return "test candidate off";
@@ -1144,13 +1151,15 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
     case Kernel::GemmIm2col:
     case Kernel::GemmKn2row:
     case Kernel::Winograd:
-    case Kernel::PointwiseFused: {
+    case Kernel::PointwiseFused:
+    case Kernel::Kn2rowLanes: {
       const bool gemm = k == Kernel::GemmIm2col || k == Kernel::GemmKn2row;
       const bool winograd = k == Kernel::Winograd;
       if (cpu && !gemm && a.output_mask[0] && !all_finite(a.weight)) return std::nullopt;
       auto result = winograd                  ? winograd_backward(a, e)
           : k == Kernel::GroupedLanes         ? grouped_lanes_backward(a, e)
           : k == Kernel::PointwiseFused       ? pointwise_fused_backward(a, e)
+          : k == Kernel::Kn2rowLanes          ? kn2row_lanes_backward(a, e)
           : k == Kernel::GemmIm2col           ? gemm_backward(a, e, GemmAlgorithm::Im2col)
           : k == Kernel::GemmKn2row           ? gemm_backward(a, e, GemmAlgorithm::Kn2row)
           : k == Kernel::DepthwiseLanes       ? direct_backward(a, e, DepthwiseWalk::Lanes)

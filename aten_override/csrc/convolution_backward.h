@@ -130,4 +130,14 @@ void pointwise_backward_cpu(
     const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight);
 
+// The kn2row-lanes kernel (cpu/kn2row.cpp): stride-1 layers with every tap in one dim and every other
+// spatial dim 1 (1-D layers), any padding, dilation and groups, float32 / float64: per tap, one product
+// over the positions where that tap meets the input, on channels-last copies, with vector
+// micro-kernels; the same bits for any thread count. Tensors as for gemm_backward_cpu.
+// kn2row_lanes_unsupported says why a problem is not one of these (nullopt: it is).
+std::optional<std::string> kn2row_lanes_unsupported(const DirectProblem& p, at::ScalarType dtype);
+void kn2row_lanes_backward_cpu(
+    const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight);
+
 }  // namespace aten_override

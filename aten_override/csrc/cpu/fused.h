@@ -464,7 +464,7 @@ void store_tiles(
 constexpr int64_t kLanesChunk = 32;
 
 // --- Small matrix products in vector registers (cpu/pointwise.cpp, cpu/winograd.cpp) -----------------
-// c (m x n) += a (m x k) @ b (k x n), b and c row-major with n a whole number of vectors, a with any
+// c (m x n) += a (m x k) @ b (k x n) (or = when not accumulating), b and c row-major with n a whole number of vectors, a with any
 // strides (element (i, kk) at a[i * a_row + kk * a_col]: row-major, or a transposed view). Each
 // micro-kernel keeps kGemmRows rows x kGemmVecs vectors of c in registers; per kk, a broadcast element
 // of a times a vector of b per FMA. No packing: b's rows are re-read from L1/L2 for each block of
@@ -481,7 +481,8 @@ constexpr int64_t kGemmBlock = 64;
 
 template <typename acc_t, int R, int NV>
 ATEN_OVERRIDE_INLINE void gemm_tile(
-    const acc_t* a, int64_t a_row, int64_t a_col, const acc_t* b, int64_t ldb, int64_t k, acc_t* c, int64_t ldc) {
+    const acc_t* a, int64_t a_row, int64_t a_col, const acc_t* b, int64_t ldb, int64_t k, acc_t* c, int64_t ldc,
+    bool accumulate) {
   using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
   for (int64_t k0 = 0; k0 < k; k0 += kGemmBlock) {
@@ -510,7 +511,10 @@ ATEN_OVERRIDE_INLINE void gemm_tile(
     ATEN_OVERRIDE_UNROLL
     for (int r = 0; r < R; ++r) {
       ATEN_OVERRIDE_UNROLL
-      for (int v = 0; v < NV; ++v) V::store(c + r * ldc + v * L, V::load(c + r * ldc + v * L) + acc[r][v]);
+      for (int v = 0; v < NV; ++v) {
+        acc_t* out = c + r * ldc + v * L;
+        V::store(out, accumulate || k0 > 0 ? V::load(out) + acc[r][v] : acc[r][v]);
+      }
     }
   }
 }
@@ -518,11 +522,11 @@ ATEN_OVERRIDE_INLINE void gemm_tile(
 template <typename acc_t, int R>
 ATEN_OVERRIDE_INLINE void gemm_tile_vecs(
     const acc_t* a, int64_t a_row, int64_t a_col, const acc_t* b, int64_t ldb, int64_t k, acc_t* c, int64_t ldc,
-    int vecs) {
+    int vecs, bool accumulate) {
   switch (vecs) {
-    case 1: return gemm_tile<acc_t, R, 1>(a, a_row, a_col, b, ldb, k, c, ldc);
-    case 2: return gemm_tile<acc_t, R, 2>(a, a_row, a_col, b, ldb, k, c, ldc);
-    default: return gemm_tile<acc_t, R, kGemmVecs>(a, a_row, a_col, b, ldb, k, c, ldc);
+    case 1: return gemm_tile<acc_t, R, 1>(a, a_row, a_col, b, ldb, k, c, ldc, accumulate);
+    case 2: return gemm_tile<acc_t, R, 2>(a, a_row, a_col, b, ldb, k, c, ldc, accumulate);
+    default: return gemm_tile<acc_t, R, kGemmVecs>(a, a_row, a_col, b, ldb, k, c, ldc, accumulate);
   }
 }
 
@@ -530,34 +534,42 @@ ATEN_OVERRIDE_INLINE void gemm_tile_vecs(
 template <typename acc_t>
 ATEN_OVERRIDE_INLINE void gemm_block(
     const acc_t* a, int64_t a_row, int64_t a_col, const acc_t* b, int64_t ldb, int64_t k, acc_t* c, int64_t ldc,
-    int rows, int vecs) {
+    int rows, int vecs, bool accumulate = true) {
   switch (rows) {
-    case 1: return gemm_tile_vecs<acc_t, 1>(a, a_row, a_col, b, ldb, k, c, ldc, vecs);
-    case 2: return gemm_tile_vecs<acc_t, 2>(a, a_row, a_col, b, ldb, k, c, ldc, vecs);
-    case 3: return gemm_tile_vecs<acc_t, 3>(a, a_row, a_col, b, ldb, k, c, ldc, vecs);
-    case 4: return gemm_tile_vecs<acc_t, 4>(a, a_row, a_col, b, ldb, k, c, ldc, vecs);
-    case 5: return gemm_tile_vecs<acc_t, 5>(a, a_row, a_col, b, ldb, k, c, ldc, vecs);
-    case 6: return gemm_tile_vecs<acc_t, 6>(a, a_row, a_col, b, ldb, k, c, ldc, vecs);
-    case 7: return gemm_tile_vecs<acc_t, 7>(a, a_row, a_col, b, ldb, k, c, ldc, vecs);
-    default: return gemm_tile_vecs<acc_t, kGemmRows>(a, a_row, a_col, b, ldb, k, c, ldc, vecs);
+    case 1: return gemm_tile_vecs<acc_t, 1>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
+    case 2: return gemm_tile_vecs<acc_t, 2>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
+    case 3: return gemm_tile_vecs<acc_t, 3>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
+    case 4: return gemm_tile_vecs<acc_t, 4>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
+    case 5: return gemm_tile_vecs<acc_t, 5>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
+    case 6: return gemm_tile_vecs<acc_t, 6>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
+    case 7: return gemm_tile_vecs<acc_t, 7>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
+    default: return gemm_tile_vecs<acc_t, kGemmRows>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
   }
 }
 
-// c (m x n, ldc) += a @ b (see above): column blocks outer, so a block of b's columns stays in L1/L2
-// across the row blocks. n is a multiple of Vec<acc_t>::size. Single-threaded.
+// c (m x n, ldc) += a @ b (see above; c = a @ b when not accumulating, k > 0): column blocks outer, so a
+// block of b's columns stays in L1/L2 across the row blocks. n is a multiple of Vec<acc_t>::size.
+// Single-threaded.
 template <typename acc_t>
 ATEN_OVERRIDE_INLINE void gemm_add(
     int64_t m, int64_t n, int64_t k, const acc_t* a, int64_t a_row, int64_t a_col, const acc_t* b, int64_t ldb,
-    acc_t* c, int64_t ldc) {
+    acc_t* c, int64_t ldc, bool accumulate = true) {
   constexpr int64_t L = Vec<acc_t>::size;
   for (int64_t j = 0; j < n; j += kGemmVecs * L) {
     const int vecs = static_cast<int>(std::min<int64_t>(kGemmVecs, (n - j) / L));
     for (int64_t i = 0; i < m; i += kGemmRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kGemmRows, m - i));
-      gemm_block(a + i * a_row, a_row, a_col, b + j, ldb, k, c + i * ldc + j, ldc, rows, vecs);
+      gemm_block(a + i * a_row, a_row, a_col, b + j, ldb, k, c + i * ldc + j, ldc, rows, vecs, accumulate);
     }
   }
 }
+
+// gemm_add compiled for each ISA level (cpu/fused.cpp): callable from parallel_for lambdas and from
+// code built for the default target.
+void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
+          float* c, int64_t ldc, bool accumulate);
+void gemm(int64_t m, int64_t n, int64_t k, const double* a, int64_t a_row, int64_t a_col, const double* b,
+          int64_t ldb, double* c, int64_t ldc, bool accumulate);
 
 // total[i] += partial[i], i < n (one sample's lane sums into the batch totals; cpu/depthwise.cpp).
 void add_to(const float* partial, double* total, int64_t n);

@@ -358,16 +358,6 @@ void run_serial(Transform tr, const Pass& g, const acc_t* src, acc_t* dst) {
 // process, gemm_engine()). MKL's sgemm runs its AVX2 code on AMD CPUs: on a Zen 5 core it reached 96
 // GFLOP/s in a 2048^2 product where oneDNN's AVX-512 convolutions reach 199, so native beat this
 // kernel's 2.25x fewer multiplications on ResNet-50's 3x3 layers (1.1-1.4x native's time).
-ATEN_OVERRIDE_CLONES void gemm_add_cloned(
-    int64_t m, int64_t n, int64_t k, const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
-    float* c, int64_t ldc) {
-  fused::gemm_add(m, n, k, a, a_row, a_col, b, ldb, c, ldc);
-}
-ATEN_OVERRIDE_CLONES void gemm_add_cloned(
-    int64_t m, int64_t n, int64_t k, const double* a, int64_t a_row, int64_t a_col, const double* b, int64_t ldb,
-    double* c, int64_t ldc) {
-  fused::gemm_add(m, n, k, a, a_row, a_col, b, ldb, c, ldc);
-}
 
 // c[xi] (= or += when accumulate) a[xi] @ b[xi] for each of the 16 tile positions; a any strides (a
 // transposed view), b and c rows contiguous with a whole number of vectors per row. On the calling
@@ -382,8 +372,8 @@ void batched_gemm(bool vectors, const at::Tensor& a, const at::Tensor& b, at::Te
     return;
   }
   TORCH_INTERNAL_ASSERT(b.stride(2) == 1 && c.stride(2) == 1 && b.size(2) == c.size(2));
-  if (!accumulate) c.zero_();
   const int64_t m = a.size(1), k = a.size(2), n = b.size(2);
+  if (!accumulate && k == 0) c.zero_();
   AT_DISPATCH_FLOATING_TYPES(c.scalar_type(), "winograd_gemm", [&] {
     TORCH_INTERNAL_ASSERT(n % fused::Vec<scalar_t>::size == 0);
     const scalar_t* ad = a.const_data_ptr<scalar_t>();
@@ -394,7 +384,7 @@ void batched_gemm(bool vectors, const at::Tensor& a, const at::Tensor& b, at::Te
         const scalar_t* axi = ad + xi * a.stride(0);
         const scalar_t* bxi = bd + xi * b.stride(0);
         scalar_t* cxi = cd + xi * c.stride(0);
-        gemm_add_cloned(m, n, k, axi, a.stride(1), a.stride(2), bxi, b.stride(1), cxi, c.stride(1));
+        fused::gemm(m, n, k, axi, a.stride(1), a.stride(2), bxi, b.stride(1), cxi, c.stride(1), accumulate);
       }
     });
   });

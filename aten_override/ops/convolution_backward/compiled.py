@@ -30,10 +30,16 @@ dense                native   dense 1-D/2-D layers, and what the GEMM classes be
                               native is near the hardware limit there, or as fast. The autotuner also
                               measures gemm-im2col there and, on 3x3 stride-1 layers, winograd
                               (``csrc/cpu/winograd.cpp``: F(2x2,3x3) grad_input, F(3x3,2x2) grad_weight,
-                              2.25x fewer multiplications than native's oneDNN), and on 1x1 stride-1
+                              2.25x fewer multiplications than native's oneDNN; its 16 GEMMs per chunk
+                              on MKL or on our vector micro-kernels, whichever measured faster in this
+                              process: ``_C.winograd_gemm()``), on 1x1 stride-1
                               float32/float64 layers pointwise-fused (``csrc/cpu/pointwise.cpp``: both
                               gradients in one pass over grad_output with vector micro-kernels, where
-                              MKL runs the skinny GEMMs of few-channel layers at 30-50 GFLOP/s)
+                              MKL runs the skinny GEMMs of few-channel layers at 30-50 GFLOP/s), and on
+                              stride-1 float32/float64 layers of 1-D shape (any groups, padding,
+                              dilation) kn2row-lanes (``csrc/cpu/kn2row.cpp``: per tap, one product over
+                              only the positions where the tap meets the input, on channels-last copies;
+                              wav2vec2's positional convolution, 128 taps over 49 frames)
 transposed           native   no compiled kernel yet
 bias-only            sum      ``output_mask`` asks for neither grad_input nor grad_weight: grad_bias is
                               grad_output's sum (whatever the weight: zero output channels or kernel size too)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(compiled.unavailable_reason() is not None, reaso
 # The kernels the autotuner chooses between (not the correctness classes zeros / sum / upcast, nor
 # the autotuner's fake test candidate).
 CANDIDATES = ("native", "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct", "grouped-lanes", "gemm-im2col",
-              "gemm-kn2row", "winograd", "pointwise-fused")
+              "gemm-kn2row", "winograd", "pointwise-fused", "kn2row-lanes")
 
 
 def _call(c_in, c_out, groups, kernel, spatial, *, stride=1, padding=0, dilation=1, batch=2,
@@ -136,6 +136,24 @@ def _calls():
         "3x3 p1 f64": _call(9, 7, 1, 3, (11, 8), padding=1, dtype=torch.float64),
         "3x3 p1 channels_last": _call(24, 40, 1, 3, (12, 15), padding=1, channels_last=True),
     }
+    # kn2row-lanes (1-D shaped, stride 1): a kernel longer than the input (wav2vec2's positional
+    # convolution: 128 taps over 49 frames, each position meets the input through some of its taps),
+    # tap blocks with a partial last one, taps that only meet padding (zeros), dilation, sums over more
+    # than 64 channels / positions, channels not a multiple of the vector width, every float dtype it
+    # computes, 2-D / 3-D layers of 1-D shape
+    calls["grouped 1-D k128 p64 over 49 frames (wav2vec2 positional)"] = _call(96, 96, 2, 128, (49,), padding=64,
+                                                                              batch=3)
+    calls["1-D k9 p4 over 4 positions, dead taps f64"] = _call(20, 70, 1, 9, (4,), padding=4, dtype=torch.float64)
+    calls["1-D k3 p1 d2 40->80 long rows"] = _call(40, 80, 1, 3, (300,), padding=1, dilation=2, batch=3)
+    g = torch.Generator().manual_seed(4)
+    x2, w2 = torch.randn(2, 24, 1, 40, generator=g), torch.randn(36, 8, 1, 5, generator=g)
+    go2 = torch.randn(2, 36, 1, 38, generator=g)
+    calls["2-D 1x5 p(0,1) groups 3 (1-D shaped)"] = (go2, x2, w2, [36], [1, 1], [0, 1], [1, 1], False, [0, 0], 3,
+                                                      [True, True, True])
+    x3, w3, go3 = torch.randn(2, 5, 1, 1, 30, generator=g), torch.randn(7, 5, 1, 1, 4, generator=g), torch.randn(
+        2, 7, 1, 1, 27, generator=g)
+    calls["3-D 1x1x4 (1-D shaped)"] = (go3, x3, w3, [7], [1, 1, 1], [0, 0, 0], [1, 1, 1], False, [0, 0, 0], 1,
+                                       [True, True, True])
     # kn2row: taps in one dim only
     go, x, w, *rest = _call(8, 8, 1, 1, (6, 7, 7))
     w3 = torch.randn(8, 8, 3, 1, 1, generator=torch.Generator().manual_seed(1))
@@ -175,6 +193,7 @@ def _calls():
                                                            mask=mask)
         calls[f"pointwise 16->96 mask {bits}"] = _call(16, 96, 1, 1, (33, 40), mask=mask)
         calls[f"1-D long rows mask {bits}"] = _call(512, 8, 1, 4, (2203,), stride=2, padding=1, batch=1, mask=mask)
+        calls[f"grouped 1-D k40 p20 mask {bits}"] = _call(32, 48, 2, 40, (17,), padding=20, mask=mask)
     return calls
 
 
@@ -298,10 +317,15 @@ def test_winograd_declines_non_finite_grad_output_and_weight():
     assert ext.run_kernel("winograd", args[0], args[1], w, *args[3:-1], [True, False, False]) is None
 
 
-@pytest.mark.parametrize("call", ["pointwise 16->96 112x112 batch 1 (chunks)", "pointwise 13->21 7x7 batch 40 (partials)"])
-def test_pointwise_fused_gives_the_same_bits_at_any_thread_count(call):
-    """grad_weight's partial sums are a fixed number of slabs of (sample, chunk) tasks, added in slab
-    order, and each grad_input element is written by one task: 1, 2 and 3 threads give the same bits."""
+@pytest.mark.parametrize("kernel,call", [("pointwise-fused", "pointwise 16->96 112x112 batch 1 (chunks)"),
+                                         ("pointwise-fused", "pointwise 13->21 7x7 batch 40 (partials)"),
+                                         ("kn2row-lanes", "grouped 1-D k128 p64 over 49 frames (wav2vec2 positional)"),
+                                         ("kn2row-lanes", "1-D k3 p1 d2 40->80 long rows")])
+def test_fused_kernels_give_the_same_bits_at_any_thread_count(kernel, call):
+    """pointwise-fused: grad_weight's partial sums are a fixed number of slabs of (sample, chunk) tasks,
+    added in slab order; kn2row-lanes: one task per (group, block of taps) for grad_weight, per (group,
+    block of positions) summing over the taps in order for grad_input. Each element is written by one
+    task: 1, 2 and 3 threads give the same bits."""
     ext = compiled.extension()
     args = CALLS[call]
     before = torch.get_num_threads()
@@ -309,7 +333,7 @@ def test_pointwise_fused_gives_the_same_bits_at_any_thread_count(call):
     try:
         for threads in (1, 2, 3, 1):
             torch.set_num_threads(threads)
-            results.append(ext.run_kernel("pointwise-fused", *args))
+            results.append(ext.run_kernel(kernel, *args))
     finally:
         torch.set_num_threads(before)
     for other in results[1:]:
