@@ -393,7 +393,8 @@ def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, r
         f"{conv_us['compiled'] / 1e3:.1f} ms, ratio {conv_ratio:.2f}"
     )
     native, ours = traces["native"][1], traces["compiled"][1]
-    print(f"top {TOP_LAYERS} conv layers by backward time (either side); GFLOP/s and % of roofline (measured peaks) of ours:")
+    print(f"top {TOP_LAYERS} conv layers by backward time (either side); GFLOP/s and % of roofline (measured peaks) of ours")
+    print("  (a direct convolution's FLOPs: winograd and kn2row-lanes, which skip multiplications, can read above 100%):")
     print(
         f"  {'layer':50s} {'calls':>5s} {'native ms':>9s} {'upstream':10s} {'compiled ms':>11s} {'class/kernel':27s} "
         f"{'ratio':>5s} {'GFLOP/s':>7s} {'roof%':>5s}"
