@@ -178,6 +178,9 @@ void kn2row_lanes_typed(
 
 std::optional<std::string> kn2row_lanes_unsupported(const DirectProblem& p, at::ScalarType dtype) {
   if (dtype != at::kFloat && dtype != at::kDouble) return "float16 / bfloat16: not built";
+  // One channel per group would fill one lane of each vector (measured on a Conformer-sized depthwise
+  // 1-D layer: 8x native's time); the depthwise and one-channel kernels serve those.
+  if (p.in_per_group == 1) return "one input channel per group (depthwise, one-channel: their own kernels)";
   const int d = tap_dim(p);
   for (int i = 0; i < 3; ++i) {
     if (p.stride[i] != 1) return "not stride 1";

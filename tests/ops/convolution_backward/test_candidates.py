@@ -478,6 +478,16 @@ def test_depthwise_bands_are_deterministic():
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)) and torch.equal(b.view(torch.int32), c.view(torch.int32))
 
 
+def test_kn2row_lanes_declines_what_it_does_not_compute_and_says_why():
+    ext = compiled.extension()
+    for call, why in [("depthwise 1-D k31 (Conformer)", "one input channel per group"),
+                      ("1-D k5 s2 p3 d2 long rows", "not stride 1"),
+                      ("3x1x1 (R(2+1)D)", "not 1-D shaped"),
+                      ("depthwise 5x5 s2 bf16", "float16 / bfloat16: not built")]:
+        with pytest.raises(ValueError, match=f"kn2row-lanes cannot compute this call: {why}"):
+            ext.run_kernel("kn2row-lanes", *CALLS[call])
+
+
 def test_a_kernel_that_cannot_compute_a_call_says_why():
     ext = compiled.extension()
     with pytest.raises(ValueError, match="depthwise-lanes cannot compute this call: not depthwise"):
