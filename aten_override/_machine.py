@@ -135,6 +135,10 @@ class Machine:
     peak_flops_source: dict[str, str] = dataclasses.field(default_factory=dict)
     """Per dtype name, the :data:`FLOP_PROBES` problem that reached ``peak_flops``, or ``"given"``."""
     bandwidth_source: str = "copy_ of 256 MiB, read + write"
+    probe_flops: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    """Per dtype name, FLOP/s of every :data:`FLOP_PROBES` problem measured (empty where given): the
+    header shows the slower ones too, e.g. MKL's float32 ``torch.mm`` at half the peak of an AMD CPU's
+    AVX-512 (MKL runs its AVX2 code there), which caps every kernel that calls it."""
 
     def peak(self, dtype: torch.dtype) -> float:
         """Measured FLOP/s for ``dtype``; ``nan`` for a dtype not measured (float16)."""
@@ -149,11 +153,13 @@ def measure(dtypes=PEAK_DTYPES, peak_gflops: float | None = None, bandwidth_gbs:
     """Describe this machine and measure its peaks at ``torch.get_num_threads()`` threads (a few
     seconds). ``peak_gflops`` (GFLOP/s, every dtype) and ``bandwidth_gbs`` (GB/s) replace the
     measurement when given."""
-    peaks, sources = {}, {}
+    peaks, sources, probes = {}, {}, {}
     for dtype in dtypes:
         rates = {"given": peak_gflops * 1e9} if peak_gflops else measure_flops(dtype)
         sources[_dtype_name(dtype)] = best = max(rates, key=rates.get)
         peaks[_dtype_name(dtype)] = rates[best]
+        if not peak_gflops:
+            probes[_dtype_name(dtype)] = rates
     return Machine(
         cpu_model=cpu_model(),
         isa_flags=isa_flags(),
@@ -165,14 +171,18 @@ def measure(dtypes=PEAK_DTYPES, peak_gflops: float | None = None, bandwidth_gbs:
         bandwidth=bandwidth_gbs * 1e9 if bandwidth_gbs else measure_bandwidth(),
         peak_flops_source=sources,
         bandwidth_source="given" if bandwidth_gbs else Machine.bandwidth_source,
+        probe_flops=probes,
     )
 
 
 def header(machine: Machine) -> str:
     """The lines every benchmark prints first: CPU, ISA, versions, threads and the measured peaks."""
-    peaks = ", ".join(
-        f"{name} {flops / 1e9:.0f} ({machine.peak_flops_source.get(name, '?')})" for name, flops in machine.peak_flops.items()
-    )
+    def slower(name: str) -> str:
+        source = machine.peak_flops_source.get(name, "?")
+        others = [f"; {probe} {rate / 1e9:.0f}" for probe, rate in machine.probe_flops.get(name, {}).items() if probe != source]
+        return source + "".join(others)
+
+    peaks = ", ".join(f"{name} {flops / 1e9:.0f} ({slower(name)})" for name, flops in machine.peak_flops.items())
     return "\n".join(
         [
             f"cpu: {machine.cpu_model}; flags: {' '.join(machine.isa_flags) or '-'}; "

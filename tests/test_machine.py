@@ -24,3 +24,13 @@ def test_header_with_given_peaks_measures_nothing():
 def test_measure_flops_is_positive():
     rates = _machine.measure_flops(torch.float32, min_run_time=0.01, repeats=1)
     assert set(rates) == set(_machine.FLOP_PROBES) and all(r > 0 for r in rates.values())
+
+
+def test_header_shows_every_probe_of_a_measured_peak():
+    """The slower probe is printed beside the peak (MKL's float32 torch.mm runs at half an AMD CPU's
+    AVX-512 peak: the cap of every kernel that calls it)."""
+    m = _machine.Machine(cpu_model="cpu", isa_flags=(), cpu_capability="AVX512", torch_version="t", onednn_version=None,
+                         threads=1, peak_flops={"float32": 199e9}, bandwidth=37e9,
+                         peak_flops_source={"float32": "conv3x3"},
+                         probe_flops={"float32": {"mm": 96e9, "conv3x3": 199e9}})
+    assert "float32 199 (conv3x3; mm 96)" in _machine.header(m)
