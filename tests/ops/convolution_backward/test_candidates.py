@@ -13,6 +13,8 @@ A kernel that cannot compute a call must say why (``ValueError``), never run.
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -435,6 +437,12 @@ def test_winograd_gemm_engine_is_the_measured_faster_one():
     assert report["library_us"] > 0 and report["vectors_us"] > 0, report
     assert not report["forced"]
     assert report["engine"] == ("vectors" if report["vectors_us"] < report["library_us"] else "library"), report
+    # The probe runs once per process: in a fresh one, it must not draw from the default generator
+    # (a user's seeded random stream would then depend on whether winograd was measured).
+    code = ("import torch; from aten_override.ops.convolution_backward import compiled; torch.manual_seed(0); "
+            "s = torch.random.get_rng_state(); compiled.extension().winograd_gemm(); "
+            "print(torch.equal(s, torch.random.get_rng_state()))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "True"
     with pytest.raises(ValueError, match="engine must be 'library', 'vectors' or None, got 'mkl'"):
         ext.set_winograd_gemm("mkl")
     assert ext.winograd_gemm() == report
