@@ -140,6 +140,10 @@ class Machine:
     header shows the slower ones too, e.g. MKL's float32 ``torch.mm`` at half the peak of an AMD CPU's
     AVX-512 (MKL runs its AVX2 code there), which caps every kernel that calls it."""
 
+    vector_type: str | None = None
+    """What the compiled kernels' vector code computes in (``_C.vector_type()``): ``"wide"`` (64-byte
+    vectors, AVX-512 registers) or ``"pair"`` (two 32-byte AVX2 vectors); ``None`` without the extension."""
+
     def peak(self, dtype: torch.dtype) -> float:
         """Measured FLOP/s for ``dtype``; ``nan`` for a dtype not measured (float16)."""
         return self.peak_flops.get(_dtype_name(dtype), float("nan"))
@@ -172,7 +176,17 @@ def measure(dtypes=PEAK_DTYPES, peak_gflops: float | None = None, bandwidth_gbs:
         peak_flops_source=sources,
         bandwidth_source="given" if bandwidth_gbs else Machine.bandwidth_source,
         probe_flops=probes,
+        vector_type=_vector_type(),
     )
+
+
+def _vector_type() -> str | None:
+    from aten_override.ops.convolution_backward import compiled
+
+    return None if compiled.unavailable_reason() is not None else compiled.extension().vector_type()
+
+
+_VECTOR_TYPES = {"wide": "wide (64-byte, AVX-512 registers)", "pair": "pair (2 x 32-byte, AVX2 registers)"}
 
 
 def header(machine: Machine) -> str:
@@ -187,7 +201,8 @@ def header(machine: Machine) -> str:
         [
             f"cpu: {machine.cpu_model}; flags: {' '.join(machine.isa_flags) or '-'}; "
             f"torch cpu capability: {machine.cpu_capability}",
-            f"torch {machine.torch_version}, oneDNN {machine.onednn_version or '-'}, {machine.threads} threads",
+            f"torch {machine.torch_version}, oneDNN {machine.onednn_version or '-'}, {machine.threads} threads; "
+            f"compiled kernels' vectors: {_VECTOR_TYPES.get(machine.vector_type, 'extension not built')}",
             f"FLOP peak (GFLOP/s, the faster of torch.mm 2048^2 and a 3x3 conv): {peaks}; "
             f"bandwidth {machine.bandwidth / 1e9:.1f} GB/s ({machine.bandwidth_source})",
         ]

@@ -34,3 +34,19 @@ def test_header_shows_every_probe_of_a_measured_peak():
                          peak_flops_source={"float32": "conv3x3"},
                          probe_flops={"float32": {"mm": 96e9, "conv3x3": 199e9}})
     assert "float32 199 (conv3x3; mm 96)" in _machine.header(m)
+
+
+def test_header_says_what_the_compiled_kernels_vectors_are():
+    """Which register blocks the compiled kernels ran with (AVX-512's or AVX2's) is part of the machine
+    a benchmark ran on; the measured header gives the extension's own answer."""
+    from aten_override.ops.convolution_backward import compiled
+
+    m = _machine.measure(peak_gflops=100, bandwidth_gbs=20)
+    if compiled.unavailable_reason() is None:
+        assert m.vector_type == compiled.extension().vector_type()
+    else:
+        assert m.vector_type is None
+    text = _machine.header(m)
+    expected = {"wide": "wide (64-byte, AVX-512 registers)", "pair": "pair (2 x 32-byte, AVX2 registers)",
+                None: "extension not built"}[m.vector_type]
+    assert f"compiled kernels' vectors: {expected}" in text

@@ -559,8 +559,8 @@ LayerClass classify_layer(const Args& a, const Expanded& e) {
     direct = LayerClass::Depthwise;
   } else if (a.groups > 1 && in_per_group * out_per_group <= kDirectMaxChannelPairs) {
     direct = LayerClass::Grouped;
-  } else if (a.groups > 1 && strided(e) && a.grad_output.scalar_type() != at::kHalf &&
-             grouped_lanes_applies(direct_problem(a, e), a.grad_output.scalar_type())) {
+  } else if (a.groups > 1 && strided(e) &&
+             !grouped_lanes_unsupported(direct_problem(a, e), a.grad_output.scalar_type())) {
     return a.grad_output.numel() >= kGroupedLanesMinOutputs ? LayerClass::GroupedLanes : LayerClass::Dense;
   }
   if ((direct == LayerClass::Grouped || direct == LayerClass::OneChannel) &&
@@ -1086,8 +1086,7 @@ std::optional<std::string> candidate_unsupported(Kernel k, const Args& a, const 
       }
       return c10::str("not grouped with <= ", kDirectMaxChannelPairs, " channel pairs, nor one input channel");
     case Kernel::GroupedLanes:
-      if (p.groups > 1 && p.in_per_group > 1 && dtype != at::kHalf && grouped_lanes_applies(p, dtype)) return std::nullopt;
-      return "not grouped with 2-64 channels per group whose tiles fit L2 (float16: not built)";
+      return grouped_lanes_unsupported(p, dtype);
     case Kernel::GemmIm2col: {
       bool pointwise = p.groups == 1;
       for (int64_t i = 0; i < 3; ++i) pointwise &= p.kernel[i] == 1 && p.padding[i] == 0;
@@ -1906,6 +1905,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("engine"),
       "set_winograd_gemm(engine): force the winograd kernel's GEMM engine ('library' or 'vectors'; tests run both "
       "on any machine), or None for the measured one. Raises ValueError for another name");
+  m.def(
+      "vector_type", []() { return fused::wide_vectors() ? "wide" : "pair"; },
+      "vector_type() -> 'wide' | 'pair': what the CPU kernels' vector code computes in: 64-byte vectors in AVX-512 "
+      "registers ('wide', the default where the CPU has AVX-512) or pairs of 32-byte AVX2 vectors ('pair', "
+      "elsewhere), each with its own register blocks (cpu/fused.h)");
+  m.def(
+      "set_vector_type",
+      [](std::optional<std::string> type) {
+        if (type && *type != "wide" && *type != "pair") {
+          throw py::value_error("set_vector_type: type must be 'wide', 'pair' or None, got '" + *type + "'");
+        }
+        fused::set_wide_vectors(type ? std::optional<bool>(*type == "wide") : std::nullopt);
+      },
+      py::arg("type"),
+      "set_vector_type(type): force the vector code's type ('wide' or 'pair'; both are built for every ISA level, so "
+      "tests run both on any machine), or None for the CPU's. Raises ValueError for another name");
   m.def("autotune_entries", &py_autotune_entries,
         "[(signature, kernel, {candidate: fastest run us}, {candidate: why it could not win}, tuning us)] of the "
         "results table; times and tuning cost are empty / 0 for loaded entries.");

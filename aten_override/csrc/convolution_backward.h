@@ -93,13 +93,23 @@ void depthwise_backward_cpu(
     const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight, at::Tensor* grad_bias);
 
 // The grouped kernel (cpu/grouped.cpp, on the channels-in-lanes tiles of cpu/fused.h): groups > 1 with 2 to 64
-// channels per group on each side, where grouped_lanes_applies() (its tiles fit L2). grad_input /
-// grad_weight as for the direct kernel, each computed when its pointer is not null; grad_bias is the
-// caller's. No columns: both gradients straight from [position][channel] tiles of each group.
-bool grouped_lanes_applies(const DirectProblem& p, at::ScalarType dtype);
+// channels per group on each side, not float16, whose tiles fit the L2 (grouped_lanes_unsupported says
+// which of these a problem is not; nullopt: it is all). grad_input / grad_weight as for the direct
+// kernel, each computed when its pointer is not null; grad_bias is the caller's. No columns: both
+// gradients straight from [position][channel] tiles of each group.
+std::optional<std::string> grouped_lanes_unsupported(const DirectProblem& p, at::ScalarType dtype);
 void grouped_lanes_backward_cpu(
     const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     at::Tensor* grad_input, at::Tensor* grad_weight);
+
+namespace fused {
+// Whether the CPU kernels' vector code (cpu/fused.h) computes in 64-byte vectors, one AVX-512 register
+// each (CPUs with AVX-512), or in pairs of 32-byte vectors, two AVX2 registers (every other CPU), with
+// the register blocks of each. set_wide_vectors forces one (tests run both on any machine: the code of
+// both is built for every ISA level); nullopt gives the CPU's back. A kernel call reads it once.
+bool wide_vectors();
+void set_wide_vectors(std::optional<bool> wide);
+}  // namespace fused
 
 // The Winograd kernel (cpu/winograd.cpp): 3x3 (or 1x3x3), stride 1, undilated, groups == 1 layers
 // with the same padding of at most 2 in H and W (none in depth). grad_input by F(2x2, 3x3), grad_weight

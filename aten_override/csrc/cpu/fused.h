@@ -57,6 +57,37 @@ struct Vec {
   static ATEN_OVERRIDE_INLINE void store(acc_t* p, type v) { *reinterpret_cast<type*>(p) = v; }
 };
 
+// The same 64 bytes as two 32-byte vectors: what the vector micro-kernels compute in where the CPU has
+// no AVX-512 (with_vectors below), two AVX2 registers per vector. GCC 12 splits Vec's arithmetic into
+// AVX2 halves but keeps arrays of Vec (the micro-kernels' accumulators) in memory: on a Zen 3 core
+// (AVX2, 2026-12-03) the GEMM micro-kernel ran at 3-7 GFLOP/s on Vec and 66-75 on this pair, and
+// pointwise-fused took 8-21x native's time. The data layouts (channels padded to Vec::size) are the
+// same for both.
+// The functions compiled per ISA level (ATEN_OVERRIDE_CLONES) run the code of one or the other as
+// wide_vectors() (convolution_backward.h) says: a target clone cannot tell at compile time which ISA it
+// was built for.
+template <typename acc_t>
+struct VecPair {
+  typedef acc_t half __attribute__((vector_size(32), aligned(sizeof(acc_t))));
+  struct type {
+    half lo, hi;
+    friend ATEN_OVERRIDE_INLINE type operator+(type a, type b) { return {a.lo + b.lo, a.hi + b.hi}; }
+    friend ATEN_OVERRIDE_INLINE type operator*(acc_t e, type b) { return {e * b.lo, e * b.hi}; }
+    ATEN_OVERRIDE_INLINE type& operator+=(type b) {
+      lo += b.lo, hi += b.hi;
+      return *this;
+    }
+  };
+  static constexpr int64_t size = Vec<acc_t>::size;
+  static ATEN_OVERRIDE_INLINE type load(const acc_t* p) {
+    return {*reinterpret_cast<const half*>(p), *reinterpret_cast<const half*>(p + size / 2)};
+  }
+  static ATEN_OVERRIDE_INLINE void store(acc_t* p, type v) {
+    *reinterpret_cast<half*>(p) = v.lo;
+    *reinterpret_cast<half*>(p + size / 2) = v.hi;
+  }
+};
+
 // n rounded up to a whole number of acc_t vectors (channels padded to the vector width).
 template <typename acc_t>
 ATEN_OVERRIDE_INLINE int64_t round_up(int64_t n) {
@@ -463,27 +494,36 @@ void store_tiles(
 // (tests/ops/convolution_backward/test_compiled_adversarial.py).
 constexpr int64_t kLanesChunk = 32;
 
-// --- Small matrix products in vector registers (cpu/pointwise.cpp, cpu/winograd.cpp) -----------------
+// --- Small matrix products in vector registers (cpu/pointwise.cpp, cpu/winograd.cpp, cpu/kn2row.cpp) ---
 // c (m x n) += a (m x k) @ b (k x n) (or = when not accumulating), b and c row-major with n a whole number of vectors, a with any
 // strides (element (i, kk) at a[i * a_row + kk * a_col]: row-major, or a transposed view). Each
-// micro-kernel keeps kGemmRows rows x kGemmVecs vectors of c in registers; per kk, a broadcast element
-// of a times a vector of b per FMA. No packing: b's rows are re-read from L1/L2 for each block of
-// rows, so the operands of one call should fit the L2 (the callers' chunks do). Why not BLAS: MKL's
+// micro-kernel keeps a block of c in registers, Rows<V> rows x Cols<V> vectors; per kk, a broadcast
+// element of a times a vector of b per FMA. No packing: b's rows are re-read from L1/L2 for each block
+// of rows, so the operands of one call should fit the L2 (the callers' chunks do). Why not BLAS: MKL's
 // sgemm runs its AVX2 code on AMD CPUs (a Zen 5 core: 96 GFLOP/s against 199 in oneDNN's AVX-512
 // convolutions), and these products are small (a chunk's 16 Winograd GEMMs; a pointwise layer's
 // grad_weight over one chunk of positions).
-constexpr int kGemmRows = 8;  // rows of c per micro-kernel (kGemmRows x kGemmVecs accumulators)
-constexpr int kGemmVecs = 3;  // vectors of c's columns per micro-kernel
+//
+// The register blocks per vector type (with_vectors): AVX-512 has 32 registers, 8 x 3 accumulators;
+// AVX2 16, and each VecPair takes two: 6 x 1 (12 accumulators, 2 for b's vector, 1 broadcast; on a Zen 3
+// core 75 GFLOP/s, against 53-66 for 8 x 1, 4 x 1 and 3 x 2). The sums' order does not depend on them.
+template <typename V>
+constexpr int Rows = 8;
+template <typename V>
+constexpr int Cols = 3;
+template <typename acc_t>
+constexpr int Rows<VecPair<acc_t>> = 6;
+template <typename acc_t>
+constexpr int Cols<VecPair<acc_t>> = 1;
 // Terms of k summed in registers before they are added to c: a float32 sum then runs over at most
 // kGemmBlock terms at each level (one running sum of a pointwise chunk's ~1,000 mean-1 products
 // measured 7.5 eps of grad_weight where native has 2.1).
 constexpr int64_t kGemmBlock = 64;
 
-template <typename acc_t, int R, int NV>
+template <typename V, int R, int NV, typename acc_t>
 ATEN_OVERRIDE_INLINE void gemm_tile(
     const acc_t* a, int64_t a_row, int64_t a_col, const acc_t* b, int64_t ldb, int64_t k, acc_t* c, int64_t ldc,
     bool accumulate) {
-  using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
   for (int64_t k0 = 0; k0 < k; k0 += kGemmBlock) {
     const int64_t k1 = std::min(k, k0 + kGemmBlock);
@@ -519,49 +559,53 @@ ATEN_OVERRIDE_INLINE void gemm_tile(
   }
 }
 
-template <typename acc_t, int R>
+// gemm_tile with R rows and the largest NV <= Cols<V> that is not over `vecs`.
+template <typename V, int R, int NV = Cols<V>, typename acc_t>
 ATEN_OVERRIDE_INLINE void gemm_tile_vecs(
     const acc_t* a, int64_t a_row, int64_t a_col, const acc_t* b, int64_t ldb, int64_t k, acc_t* c, int64_t ldc,
     int vecs, bool accumulate) {
-  switch (vecs) {
-    case 1: return gemm_tile<acc_t, R, 1>(a, a_row, a_col, b, ldb, k, c, ldc, accumulate);
-    case 2: return gemm_tile<acc_t, R, 2>(a, a_row, a_col, b, ldb, k, c, ldc, accumulate);
-    default: return gemm_tile<acc_t, R, kGemmVecs>(a, a_row, a_col, b, ldb, k, c, ldc, accumulate);
+  if constexpr (NV > 1) {
+    if (vecs < NV) return gemm_tile_vecs<V, R, NV - 1>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
   }
+  gemm_tile<V, R, NV>(a, a_row, a_col, b, ldb, k, c, ldc, accumulate);
 }
 
-// One micro-kernel: `rows` (<= kGemmRows) rows x `vecs` (<= kGemmVecs) vectors of c.
-template <typename acc_t>
+// One micro-kernel: `rows` (<= Rows<V>) rows x `vecs` (<= Cols<V>) vectors of c.
+template <typename V, int R = Rows<V>, typename acc_t>
 ATEN_OVERRIDE_INLINE void gemm_block(
     const acc_t* a, int64_t a_row, int64_t a_col, const acc_t* b, int64_t ldb, int64_t k, acc_t* c, int64_t ldc,
     int rows, int vecs, bool accumulate = true) {
-  switch (rows) {
-    case 1: return gemm_tile_vecs<acc_t, 1>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
-    case 2: return gemm_tile_vecs<acc_t, 2>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
-    case 3: return gemm_tile_vecs<acc_t, 3>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
-    case 4: return gemm_tile_vecs<acc_t, 4>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
-    case 5: return gemm_tile_vecs<acc_t, 5>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
-    case 6: return gemm_tile_vecs<acc_t, 6>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
-    case 7: return gemm_tile_vecs<acc_t, 7>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
-    default: return gemm_tile_vecs<acc_t, kGemmRows>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
+  if constexpr (R > 1) {
+    if (rows < R) return gemm_block<V, R - 1>(a, a_row, a_col, b, ldb, k, c, ldc, rows, vecs, accumulate);
   }
+  gemm_tile_vecs<V, R>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
 }
 
 // c (m x n, ldc) += a @ b (see above; c = a @ b when not accumulating, k > 0): column blocks outer, so a
-// block of b's columns stays in L1/L2 across the row blocks. n is a multiple of Vec<acc_t>::size.
+// block of b's columns stays in L1/L2 across the row blocks. n is a multiple of V::size.
 // Single-threaded.
-template <typename acc_t>
+template <typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void gemm_add(
     int64_t m, int64_t n, int64_t k, const acc_t* a, int64_t a_row, int64_t a_col, const acc_t* b, int64_t ldb,
     acc_t* c, int64_t ldc, bool accumulate = true) {
-  constexpr int64_t L = Vec<acc_t>::size;
-  for (int64_t j = 0; j < n; j += kGemmVecs * L) {
-    const int vecs = static_cast<int>(std::min<int64_t>(kGemmVecs, (n - j) / L));
-    for (int64_t i = 0; i < m; i += kGemmRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kGemmRows, m - i));
-      gemm_block(a + i * a_row, a_row, a_col, b + j, ldb, k, c + i * ldc + j, ldc, rows, vecs, accumulate);
+  constexpr int64_t L = V::size;
+  for (int64_t j = 0; j < n; j += Cols<V> * L) {
+    const int vecs = static_cast<int>(std::min<int64_t>(Cols<V>, (n - j) / L));
+    for (int64_t i = 0; i < m; i += Rows<V>) {
+      const int rows = static_cast<int>(std::min<int64_t>(Rows<V>, m - i));
+      gemm_block<V>(a + i * a_row, a_row, a_col, b + j, ldb, k, c + i * ldc + j, ldc, rows, vecs, accumulate);
     }
   }
+}
+
+// Rows<V> and Cols<V> of Vec (wide) or VecPair.
+template <typename acc_t>
+int rows_of(bool wide) {
+  return wide ? Rows<Vec<acc_t>> : Rows<VecPair<acc_t>>;
+}
+template <typename acc_t>
+int cols_of(bool wide) {
+  return wide ? Cols<Vec<acc_t>> : Cols<VecPair<acc_t>>;
 }
 
 // gemm_add compiled for each ISA level (cpu/fused.cpp): callable from parallel_for lambdas and from

@@ -328,14 +328,19 @@ int64_t grouped_max_tile_bytes() {
   return l2 > 0 ? l2 : int64_t{1} << 20;
 }
 
-bool grouped_lanes_applies(const DirectProblem& p, at::ScalarType dtype) {
+std::optional<std::string> grouped_lanes_unsupported(const DirectProblem& p, at::ScalarType dtype) {
   if (p.groups < 2 || p.in_per_group < 2 || p.in_per_group > kGroupedMaxChannels ||
       p.out_per_group > kGroupedMaxChannels) {
-    return false;
+    return c10::str("not grouped with 2-", kGroupedMaxChannels, " channels per group");
   }
+  if (dtype == at::kHalf) return "float16: not built";
   const Plane g = make_plane(p, 1);
   const int64_t bytes = dtype == at::kDouble ? grouped_tiles<double>(p, g).bytes : grouped_tiles<float>(p, g).bytes;
-  return bytes <= grouped_max_tile_bytes();
+  if (bytes > grouped_max_tile_bytes()) {
+    return c10::str(
+        "a plane's tiles (", bytes >> 10, " KiB) are over the L2 (", grouped_max_tile_bytes() >> 10, " KiB)");
+  }
+  return std::nullopt;
 }
 
 void grouped_lanes_backward_cpu(

@@ -11,12 +11,13 @@
 // How: a chunk is a run of one sample's positions whose grad_output and input rows fit half the L2
 // (read from the machine), asked for into L2 up front (rows a plane apart defeat the hardware
 // prefetchers). Per chunk:
-//   grad_input[ci, p] = sum_co weight[co, ci] * grad_output[co, p]: kGiRows channels x kGiVecs vectors
-//     of positions per micro-kernel, a broadcast weight times a grad_output vector per FMA;
+//   grad_input[ci, p] = sum_co weight[co, ci] * grad_output[co, p]: fused::Rows channels x fused::Cols
+//     vectors of positions per micro-kernel, a broadcast weight times a grad_output vector per FMA;
 //   grad_weight[co, ci] += sum_p grad_output[co, p] * input[ci, p]: the chunk's input transposed to
-//     [position][channel] (fused.h's 16x16 tiles), then fused::gemm_add's micro-kernels (kGemmRows
-//     output channels x kGemmVecs vectors of input channels, a broadcast grad_output element times an
-//     input vector per FMA).
+//     [position][channel] (fused.h's 16x16 tiles), then fused::gemm_add's micro-kernels (Rows output
+//     channels x Cols vectors of input channels, a broadcast grad_output element times an input vector
+//     per FMA). Both in the register blocks of the CPU's vector type (fused::with_vectors: AVX-512 or
+//     AVX2 registers).
 // Every float32 sum runs over blocks of at most kGiBlock / kGemmBlock terms in registers, then their
 // totals (within twice native's error; one running sum was 4-7x native's on long sums).
 // The chunk's grad_output is read from memory once and serves both gradients from the cache.
@@ -38,10 +39,11 @@
 namespace aten_override {
 namespace {
 
+using fused::Cols;
+using fused::Rows;
 using fused::Vec;
+using fused::VecPair;
 
-constexpr int kGiRows = 8;  // grad_input: channels per micro-kernel (kGiRows x kGiVecs accumulators)
-constexpr int kGiVecs = 3;  // grad_input: vectors of positions per micro-kernel
 // Terms summed in registers before they are added to the stored total: grad_input's C_out channels
 // (up to 128 in one pass: MobileNetV2's and EfficientNet's expand layers); grad_weight's positions:
 // fused::kGemmBlock.
@@ -51,38 +53,38 @@ constexpr int64_t kGiBlock = 128;
 constexpr int64_t kMaxSlabs = 32;
 constexpr int64_t kSlabBytes = int64_t{8} << 20;
 
-// grad_input[i * ld_gi + p] = sum_co wp[co * kGiRows + i] * go[co * ld_go + p] for i < rows and the
+// grad_input[i * ld_gi + p] = sum_co wp[co * Rows<V> + i] * go[co * ld_go + p] for i < rows and the
 // NV vectors of positions from p = 0. The sum runs over blocks of kGiBlock channels in registers, each
 // added to the stored total: a float32 sum then has at most kGiBlock terms at each level (one running
 // sum over 2,048 channels measured 14-22 eps of grad_input where native's GEMM has 3-5).
-template <typename acc_t, int NV>
+template <typename V, int NV, typename acc_t>
 ATEN_OVERRIDE_INLINE void gi_tile(
     const acc_t* go, int64_t ld_go, const acc_t* wp, int64_t c_out, acc_t* gi, int64_t ld_gi, int rows) {
-  using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
+  constexpr int kRows = Rows<V>;
   for (int64_t c0 = 0; c0 < c_out; c0 += kGiBlock) {
     // Every index of acc a constant (unrolled loops, `rows` tested inside): with a variable one GCC kept
     // acc in memory, zeroed per call by a 1.5 KB `rep stos` (6% of the kernel's time, perf).
-    typename V::type acc[kGiRows][NV];
+    typename V::type acc[kRows][NV];
     ATEN_OVERRIDE_UNROLL
-    for (int i = 0; i < kGiRows; ++i) {
+    for (int i = 0; i < kRows; ++i) {
       ATEN_OVERRIDE_UNROLL
       for (int v = 0; v < NV; ++v) acc[i][v] = typename V::type{};
     }
     const acc_t* g_row = go + c0 * ld_go;
-    const acc_t* w_row = wp + c0 * kGiRows;
-    for (int64_t co = c0; co < std::min(c_out, c0 + kGiBlock); ++co, g_row += ld_go, w_row += kGiRows) {
+    const acc_t* w_row = wp + c0 * kRows;
+    for (int64_t co = c0; co < std::min(c_out, c0 + kGiBlock); ++co, g_row += ld_go, w_row += kRows) {
       typename V::type g[NV];
       ATEN_OVERRIDE_UNROLL
       for (int v = 0; v < NV; ++v) g[v] = V::load(g_row + v * L);
       ATEN_OVERRIDE_UNROLL
-      for (int i = 0; i < kGiRows; ++i) {
+      for (int i = 0; i < kRows; ++i) {
         ATEN_OVERRIDE_UNROLL
         for (int v = 0; v < NV; ++v) acc[i][v] += w_row[i] * g[v];
       }
     }
     ATEN_OVERRIDE_UNROLL
-    for (int i = 0; i < kGiRows; ++i) {
+    for (int i = 0; i < kRows; ++i) {
       if (i >= rows) break;
       ATEN_OVERRIDE_UNROLL
       for (int v = 0; v < NV; ++v) {
@@ -94,17 +96,17 @@ ATEN_OVERRIDE_INLINE void gi_tile(
 }
 
 // The same for single positions (a chunk's last positions, fewer than a vector).
-template <typename acc_t>
+template <int kRows, typename acc_t>
 ATEN_OVERRIDE_INLINE void gi_scalar(
     const acc_t* go, int64_t ld_go, const acc_t* wp, int64_t c_out, acc_t* gi, int64_t ld_gi, int rows, int64_t n) {
   for (int64_t p = 0; p < n; ++p) {
-    acc_t total[kGiRows] = {};
+    acc_t total[kRows] = {};
     for (int64_t c0 = 0; c0 < c_out; c0 += kGiBlock) {
-      acc_t acc[kGiRows] = {};
+      acc_t acc[kRows] = {};
       for (int64_t co = c0; co < std::min(c_out, c0 + kGiBlock); ++co) {
-        for (int i = 0; i < kGiRows; ++i) acc[i] += wp[co * kGiRows + i] * go[co * ld_go + p];
+        for (int i = 0; i < kRows; ++i) acc[i] += wp[co * kRows + i] * go[co * ld_go + p];
       }
-      for (int i = 0; i < kGiRows; ++i) total[i] = c0 == 0 ? acc[i] : total[i] + acc[i];
+      for (int i = 0; i < kRows; ++i) total[i] = c0 == 0 ? acc[i] : total[i] + acc[i];
     }
     for (int i = 0; i < rows; ++i) gi[i * ld_gi + p] = total[i];
   }
@@ -121,11 +123,13 @@ struct Chunk {
   void* xt;  // the chunk's input as [position][ci_pad] (this thread's buffer)
   const int64_t* index;  // 0, 1, 2, ... (positions, for fused::load_tiles)
   int64_t n, plane, c_in, c_out, ci_pad;
+  bool wide;  // Vec or VecPair (fused::wide_vectors(), read once per call: wp's blocks follow it)
 };
 
-template <typename acc_t>
+template <typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void run_chunk(const Chunk& k) {
-  constexpr int64_t L = Vec<acc_t>::size, step = kGiVecs * L;
+  constexpr int64_t L = V::size, step = Cols<V> * L;
+  constexpr int kRows = Rows<V>;
   const acc_t* go = static_cast<const acc_t*>(k.go);
   // Rows a plane apart defeat the hardware prefetchers (one stream per channel): ask for the chunk's
   // grad_output and input rows up front, each a contiguous run.
@@ -139,21 +143,21 @@ ATEN_OVERRIDE_INLINE void run_chunk(const Chunk& k) {
     // Positions outer: a block of grad_output (C_out x step) stays in L1 across the channel blocks.
     int64_t p = 0;
     for (; p + step <= k.n; p += step) {
-      for (int64_t c = 0; c < k.c_in; c += kGiRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kGiRows, k.c_in - c));
-        gi_tile<acc_t, kGiVecs>(go + p, k.plane, wp + c * k.c_out, k.c_out, gi + c * k.plane + p, k.plane, rows);
+      for (int64_t c = 0; c < k.c_in; c += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, k.c_in - c));
+        gi_tile<V, Cols<V>>(go + p, k.plane, wp + c * k.c_out, k.c_out, gi + c * k.plane + p, k.plane, rows);
       }
     }
     for (; p + L <= k.n; p += L) {
-      for (int64_t c = 0; c < k.c_in; c += kGiRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kGiRows, k.c_in - c));
-        gi_tile<acc_t, 1>(go + p, k.plane, wp + c * k.c_out, k.c_out, gi + c * k.plane + p, k.plane, rows);
+      for (int64_t c = 0; c < k.c_in; c += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, k.c_in - c));
+        gi_tile<V, 1>(go + p, k.plane, wp + c * k.c_out, k.c_out, gi + c * k.plane + p, k.plane, rows);
       }
     }
     if (p < k.n) {
-      for (int64_t c = 0; c < k.c_in; c += kGiRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kGiRows, k.c_in - c));
-        gi_scalar(go + p, k.plane, wp + c * k.c_out, k.c_out, gi + c * k.plane + p, k.plane, rows, k.n - p);
+      for (int64_t c = 0; c < k.c_in; c += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, k.c_in - c));
+        gi_scalar<kRows>(go + p, k.plane, wp + c * k.c_out, k.c_out, gi + c * k.plane + p, k.plane, rows, k.n - p);
       }
     }
   }
@@ -165,29 +169,33 @@ ATEN_OVERRIDE_INLINE void run_chunk(const Chunk& k) {
       fused::load_tiles(x + c * k.plane, k.plane, std::min(L, k.c_in - c), k.index, k.n, xt + c, k.ci_pad);
     }
     // grad_weight (C_out x ci_pad) += grad_output rows (C_out x n) @ xt (n x ci_pad), rows outer.
-    for (int64_t r = 0; r < k.c_out; r += fused::kGemmRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(fused::kGemmRows, k.c_out - r));
-      for (int64_t c = 0; c < k.ci_pad; c += fused::kGemmVecs * L) {
-        const int vecs = static_cast<int>(std::min<int64_t>(fused::kGemmVecs, (k.ci_pad - c) / L));
-        fused::gemm_block(go + r * k.plane, k.plane, 1, xt + c, k.ci_pad, k.n, gw + r * k.ci_pad + c, k.ci_pad, rows, vecs);
+    for (int64_t r = 0; r < k.c_out; r += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, k.c_out - r));
+      for (int64_t c = 0; c < k.ci_pad; c += Cols<V> * L) {
+        const int vecs = static_cast<int>(std::min<int64_t>(Cols<V>, (k.ci_pad - c) / L));
+        fused::gemm_block<V>(go + r * k.plane, k.plane, 1, xt + c, k.ci_pad, k.n, gw + r * k.ci_pad + c, k.ci_pad, rows, vecs);
       }
     }
   }
 }
 
 // The vector code, compiled for each ISA level (target_clones reaches only these non-template
-// functions, not the parallel_for lambdas that call them).
+// functions, not the parallel_for lambdas that call them), in the CPU's vector type.
 ATEN_OVERRIDE_CLONES void run_chunk_f(const Chunk& k) {
-  run_chunk<float>(k);
+  if (k.wide) return run_chunk<Vec<float>, float>(k);
+  run_chunk<VecPair<float>, float>(k);
 }
 ATEN_OVERRIDE_CLONES void run_chunk_d(const Chunk& k) {
-  run_chunk<double>(k);
+  if (k.wide) return run_chunk<Vec<double>, double>(k);
+  run_chunk<VecPair<double>, double>(k);
 }
 
 // Positions per chunk: grad_output and input rows of a chunk within half the L2, a whole number of
 // grad_input micro-kernels, at least one, at most the plane.
-int64_t chunk_positions(const DirectProblem& p, int64_t element_size, int64_t plane) {
-  const int64_t step = kGiVecs * 64 / element_size;
+template <typename acc_t>
+int64_t chunk_positions(const DirectProblem& p, int64_t plane, bool wide) {
+  constexpr int64_t element_size = sizeof(acc_t);
+  const int64_t step = fused::cols_of<acc_t>(wide) * Vec<acc_t>::size;
   const int64_t l2 = cache_bytes(2) > 0 ? cache_bytes(2) : int64_t{1} << 20;
   const int64_t n = l2 / 2 / ((p.in_per_group + p.out_per_group) * element_size) / step * step;
   return std::min(plane, std::max(step, n));
@@ -198,16 +206,18 @@ void pointwise_backward_typed(
     const DirectProblem& p, const at::Tensor& go, const at::Tensor& x, const at::Tensor& w, at::Tensor* gi,
     at::Tensor* gw) {
   const int64_t c_in = p.in_per_group, c_out = p.out_per_group, plane = p.in[0] * p.in[1] * p.in[2];
-  const int64_t per_chunk = chunk_positions(p, sizeof(acc_t), plane);
+  const bool wide = fused::wide_vectors();
+  const int64_t per_chunk = chunk_positions<acc_t>(p, plane, wide);
   const int64_t chunks = (plane + per_chunk - 1) / per_chunk, tasks = p.batch * chunks;
-  // weight packed for gi_tile: wp[c / kGiRows][co][c % kGiRows] = weight[co, c], zeros past C_in.
+  // weight packed for gi_tile: wp[c / rows][co][c % rows] = weight[co, c], zeros past C_in, in blocks of
+  // the micro-kernel's rows.
   std::vector<acc_t> wp;
   if (gi) {
-    const int64_t blocks = (c_in + kGiRows - 1) / kGiRows;
-    wp.assign(blocks * c_out * kGiRows, acc_t(0));
+    const int64_t rows = fused::rows_of<acc_t>(wide), blocks = (c_in + rows - 1) / rows;
+    wp.assign(blocks * c_out * rows, acc_t(0));
     const acc_t* wd = w.const_data_ptr<acc_t>();
     for (int64_t co = 0; co < c_out; ++co) {
-      for (int64_t c = 0; c < c_in; ++c) wp[(c / kGiRows * c_out + co) * kGiRows + c % kGiRows] = wd[co * c_in + c];
+      for (int64_t c = 0; c < c_in; ++c) wp[(c / rows * c_out + co) * rows + c % rows] = wd[co * c_in + c];
     }
   }
   const int64_t ci_pad = fused::round_up<acc_t>(c_in);
@@ -236,7 +246,7 @@ void pointwise_backward_typed(
         k.xt = xt.data();
         k.index = index.data();
         k.n = std::min(per_chunk, plane - first);
-        k.plane = plane, k.c_in = c_in, k.c_out = c_out, k.ci_pad = ci_pad;
+        k.plane = plane, k.c_in = c_in, k.c_out = c_out, k.ci_pad = ci_pad, k.wide = wide;
         if constexpr (std::is_same_v<acc_t, float>) {
           run_chunk_f(k);
         } else {

@@ -215,7 +215,11 @@ def _claimed():
     return cases
 
 
-@pytest.mark.parametrize("kernel,call", _claimed() if compiled.unavailable_reason() is None else [])
+# Every (kernel, call) of CALLS that the kernel computes (each tried once, at collection).
+CLAIMED = _claimed() if compiled.unavailable_reason() is None else []
+
+
+@pytest.mark.parametrize("kernel,call", CLAIMED)
 def test_candidate_matches_native(kernel, call):
     args = CALLS[call]
     ours = compiled.extension().run_kernel(kernel, *args)
@@ -325,11 +329,66 @@ def test_winograd_declines_non_finite_grad_output_and_weight():
     assert ext.run_kernel("winograd", args[0], args[1], w, *args[3:-1], [True, False, False]) is None
 
 
+@pytest.fixture(params=["wide", "pair"])
+def vector_type(request):
+    """Forces the vector code's type: 64-byte vectors in AVX-512 registers or pairs of 32-byte AVX2
+    vectors, each with its own register blocks (the CPU's otherwise, so one machine would test only
+    its own; the code of both is built for every ISA level), and restores the CPU's."""
+    ext = compiled.extension()
+    ext.set_vector_type(request.param)
+    try:
+        yield request.param
+    finally:
+        ext.set_vector_type(None)
+
+
+# The kernels whose products run on fused.h's vector micro-kernels, and winograd's with its GEMMs there.
+_MICRO_KERNEL_CALLS = [p for p in CLAIMED if p.values[0] in ("pointwise-fused", "kn2row-lanes", "winograd")]
+
+
+@pytest.mark.parametrize("kernel,call", _MICRO_KERNEL_CALLS)
+def test_micro_kernels_match_native_in_either_vector_type(vector_type, kernel, call):
+    """Every call the micro-kernels' kernels claim, computed in Vec (AVX-512's register blocks) and in
+    VecPair (AVX2's): on a Zen 3 core GCC kept Vec's accumulators in memory (pointwise-fused 8-21x
+    native's time), so CPUs without AVX-512 compute in VecPair; both must give native's results."""
+    ext = compiled.extension()
+    args = CALLS[call]
+    assert ext.vector_type() == vector_type
+    if kernel == "winograd":
+        ext.set_winograd_gemm("vectors")
+    try:
+        ours = ext.run_kernel(kernel, *args)
+    finally:
+        ext.set_winograd_gemm(None)
+    reference = None if args[0].dtype is torch.float64 else float64_reference(args)
+    check_against_native(ours, call_native(args), reference, output_mask=args[-1],
+                         where=f"{kernel} ({vector_type} vectors) on {call}")
+
+
+def test_vector_type_is_the_cpus_and_can_be_forced():
+    ext = compiled.extension()
+    flags = set()
+    if sys.platform.startswith("linux"):
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    assert ext.vector_type() == ("wide" if {"avx512f", "avx512bw", "avx512vl"} <= flags else "pair")
+    before = ext.vector_type()
+    try:
+        for forced in ("pair", "wide"):
+            ext.set_vector_type(forced)
+            assert ext.vector_type() == forced
+        with pytest.raises(ValueError, match="type must be 'wide', 'pair' or None, got 'avx2'"):
+            ext.set_vector_type("avx2")
+    finally:
+        ext.set_vector_type(None)
+    assert ext.vector_type() == before
+
+
 @pytest.mark.parametrize("kernel,call", [("pointwise-fused", "pointwise 16->96 112x112 batch 1 (chunks)"),
                                          ("pointwise-fused", "pointwise 13->21 7x7 batch 40 (partials)"),
                                          ("kn2row-lanes", "grouped 1-D k128 p64 over 49 frames (wav2vec2 positional)"),
                                          ("kn2row-lanes", "1-D k3 p1 d2 40->80 long rows")])
-def test_fused_kernels_give_the_same_bits_at_any_thread_count(kernel, call):
+def test_fused_kernels_give_the_same_bits_at_any_thread_count(kernel, call, vector_type):
     """pointwise-fused: grad_weight's partial sums are a fixed number of slabs of (sample, chunk) tasks,
     added in slab order; kn2row-lanes: one task per (group, block of taps) for grad_weight, per (group,
     block of positions) summing over the taps in order for grad_input. Each element is written by one
@@ -353,7 +412,7 @@ def test_fused_kernels_give_the_same_bits_at_any_thread_count(kernel, call):
 
 @pytest.mark.parametrize("shape", [(2, 16, 24, 112), (4, 32, 2048, 8), (8, 512, 2048, 7)],
                          ids=["grad_weight over 2x112x112", "grad_input over 2048 channels", "ResNet-50 layer4 conv3"])
-def test_pointwise_fused_long_sums_as_accurate_as_native(shape):
+def test_pointwise_fused_long_sums_as_accurate_as_native(shape, vector_type):
     """Each float32 sum of the kernel runs over blocks of 64 terms, then their totals: grad_weight over
     every position of the batch (mean-1 data, like a ReLU's output), grad_input over C_out channels.
     One running sum measured 7.5 eps (grad_weight, 25,088 positions) and 14-22 eps (grad_input,
@@ -421,8 +480,7 @@ def winograd_engine(request):
         ext.set_winograd_gemm(None)
 
 
-_WINOGRAD_CALLS = [name for kernel, name in (p.values for p in _claimed()) if kernel == "winograd"] \
-    if compiled.unavailable_reason() is None else []
+_WINOGRAD_CALLS = [name for kernel, name in (p.values for p in CLAIMED) if kernel == "winograd"]
 
 
 @pytest.mark.parametrize("call", _WINOGRAD_CALLS)

@@ -605,16 +605,29 @@ class GroupedLanesCase:
 
 
 GROUPED_LANES = {
-    # ResNeXt-like: 16 channels per group, 3x3 stride 2; 35 x 32 x 31 x 31 grad_output elements. Rows
-    # of 31 positions per stride phase: blocks of 4 and a tail of 3 (the 1-D case: tails of 2 and 1).
-    "16x16,g2,2d": GroupedLanesCase(32, 32, 2, 35, (62, 62), (3, 3), (2, 2), (1, 1), (1, 1)),
+    # Each over 2^20 grad_output elements (the class's bound), with float32 tiles within a 512 KiB L2
+    # (Zen 3's; the 2-D cases' 62x62 planes, 795 KiB of tiles, were grouped-gemm there).
+    # ResNeXt-like: 16 channels per group, 3x3 stride 2; 62 x 32 x 23 x 23 grad_output elements. Rows
+    # of 23 positions per stride phase: blocks of 4 and a tail of 3 (the 1-D case: tails of 2 and 1).
+    "16x16,g2,2d": GroupedLanesCase(32, 32, 2, 62, (46, 46), (3, 3), (2, 2), (1, 1), (1, 1)),
     # Stride 3, dilation 2, padding 2 (stride phases with no tap).
-    "16x16,g2,2d,s3,d2": GroupedLanesCase(32, 32, 2, 64, (66, 66), (2, 2), (3, 3), (2, 2), (2, 2)),
+    "16x16,g2,2d,s3,d2": GroupedLanesCase(32, 32, 2, 128, (44, 44), (2, 2), (3, 3), (2, 2), (2, 2)),
     # Partial vectors on both sides (9 and 20 channels per group).
     "9x20,g3,1d": GroupedLanesCase(27, 60, 3, 18, (2003,), (3,), (2,), (1,), (1,)),
     # 3-D, stride 2 in one dim only, 20 x 12 channels per group.
-    "20x12,g2,3d": GroupedLanesCase(40, 24, 2, 53, (6, 14, 20), (3, 3, 3), (1, 1, 2), (1, 1, 1), (1, 1, 1)),
+    "20x12,g2,3d": GroupedLanesCase(40, 24, 2, 122, (6, 10, 12), (3, 3, 3), (1, 1, 2), (1, 1, 1), (1, 1, 1)),
 }
+
+
+def skip_unless_grouped_tiles_fit(args: ConvolutionBackwardArgs) -> None:
+    """grouped-lanes declines a call whose tiles exceed this machine's L2, saying so: the cases above
+    fit 512 KiB; on a CPU with less L2 they are skipped with that reason, not failed."""
+    try:
+        compiled.extension().run_kernel("grouped-lanes", *args.as_aten_args())
+    except ValueError as e:
+        if "are over the L2" not in str(e):
+            raise
+        pytest.skip(str(e))
 
 
 def _grouped_lanes_cases():
@@ -633,6 +646,7 @@ def test_grouped_lanes_matches_original(name, dtype, output_mask):
     against float64), None pattern, dtypes and strides."""
     args = GROUPED_LANES[name].args(dtype, output_mask)
     assert args.grad_output.numel() >= 1 << 20
+    skip_unless_grouped_tiles_fit(args)
     assert_class_serves_with_original_results(args, "grouped-lanes")
 
 
@@ -662,6 +676,7 @@ def test_grouped_lanes_deterministic_and_layouts():
             assert torch.equal(a, b)
     cl = GROUPED_LANES["16x16,g2,2d"].args()
     cl = dataclasses.replace(cl, input=cl.input.contiguous(memory_format=torch.channels_last))
+    skip_unless_grouped_tiles_fit(cl)
     assert compiled.layer_class(cl) == "grouped-lanes"
     assert_matches_original(cl, run_compiled(cl))
 
@@ -671,10 +686,10 @@ def test_grouped_lanes_deterministic_and_layouts():
     [
         (32, 32, 2, 32, [64, 64], 1, torch.float32, "dense"),  # stride 1: native is as fast or faster
         (132, 132, 2, 1, [40, 40], 1, torch.float32, "dense"),  # stride 1, over 64 channels a side
-        (32, 32, 2, 2, [64, 64], 2, torch.float32, "dense"),  # 2^16 grad_output elements
-        (32, 32, 2, 32, [64, 64], 2, torch.float16, "dense"),  # float16: not measured
-        (32, 32, 2, 32, [64, 64], 2, torch.float32, "grouped-lanes"),
-        (32, 32, 2, 8, [128, 128], 2, torch.float32, "grouped-gemm"),  # tiles over 1 MiB
+        (32, 32, 2, 2, [46, 46], 2, torch.float32, "dense"),  # 2^15 grad_output elements
+        (32, 32, 2, 62, [46, 46], 2, torch.float16, "dense"),  # float16: not measured
+        (32, 32, 2, 62, [46, 46], 2, torch.float32, "grouped-lanes"),  # 449 KiB of tiles
+        (32, 32, 2, 8, [128, 128], 2, torch.float32, "grouped-gemm"),  # tiles over 3 MiB
     ],
     ids=["stride=1", "stride=1,gemm-sized", "small", "float16", "claimed", "large-planes"],
 )
@@ -684,6 +699,8 @@ def test_grouped_lanes_routing(c_in, c_out, groups, batch, spatial, stride, dtyp
     geometry = Geometry("k3", 3, stride=stride, padding=1)
     layer = Layer("grouped-lanes", c_in, c_out, groups=groups)
     args = make_args(layer, geometry, len(spatial), dtype, batch=batch, spatial=spatial)
+    if stride > 1 and expected != "grouped-gemm" and dtype != torch.float16:
+        skip_unless_grouped_tiles_fit(args)
     assert compiled.layer_class(args) == expected
 
 

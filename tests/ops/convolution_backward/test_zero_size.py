@@ -166,7 +166,14 @@ def test_transposed_layer_with_an_empty_output(backend, dtype):
         assert y.shape == (2, 4, 0, 5)
         return torch.autograd.grad(y.sum(), (x, w, b))
 
-    native = grads()
+    try:
+        native = grads()
+    except RuntimeError as e:
+        # Native's forward picks oneDNN for bfloat16 only where the CPU has AVX-512 (a Zen 3 has not):
+        # its slow path raises for this output, so there is no backward to serve.
+        if dtype is not torch.bfloat16 or "Output size is too small" not in str(e):
+            raise
+        pytest.skip(f"native's bfloat16 forward takes its slow path on this CPU and raises: {e}")
     with served(backend):
         ours = grads()
     for o, n in zip(ours, native):
