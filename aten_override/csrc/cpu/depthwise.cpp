@@ -65,10 +65,9 @@ using namespace fused;
 
 // acc[k] += sum_{j in [j0, j1)} gs[j] * xp[j + offset[k]] for NT taps, lane by lane: acc holds one
 // vector per tap (reduced across lanes once, at the end). j1 - j0 is a multiple of the lanes.
-template <int NT, typename acc_t>
+template <int NT, typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void correlate_block(
     acc_t* acc, const acc_t* gs, const acc_t* xp, const int64_t* offset, int64_t j0, int64_t j1) {
-  using V = Vec<acc_t>;
   typename V::type sums[NT];
   const acc_t* src[NT];
   for (int k = 0; k < NT; ++k) {
@@ -84,11 +83,10 @@ ATEN_OVERRIDE_INLINE void correlate_block(
 
 // out[j] (= or +=) sum over NT taps of weight[tap] * gs[j - offset[tap]], j in [j0, j1) (a multiple
 // of the lanes). Four vectors at a time: four independent FMA chains.
-template <int NT, typename acc_t>
+template <int NT, typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void gather_block(
     acc_t* out, const acc_t* gs, const acc_t* weight, const int64_t* offset, const int64_t* taps, bool accumulate,
     int64_t j0, int64_t j1) {
-  using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
   acc_t wk[NT];
   const acc_t* src[NT];
@@ -118,7 +116,7 @@ ATEN_OVERRIDE_INLINE void gather_block(
   }
 }
 
-template <typename acc_t>
+template <typename V, typename acc_t>
 struct CorrelateOp {
   acc_t* acc;
   const acc_t* gs;
@@ -127,11 +125,11 @@ struct CorrelateOp {
   int64_t j0, j1;
   template <int NT>
   ATEN_OVERRIDE_INLINE void run(int64_t first, int64_t) const {
-    correlate_block<NT>(acc + first * Vec<acc_t>::size, gs, xp, offset + first, j0, j1);
+    correlate_block<NT, V>(acc + first * V::size, gs, xp, offset + first, j0, j1);
   }
 };
 
-template <typename acc_t>
+template <typename V, typename acc_t>
 struct GatherOp {
   acc_t* out;
   const acc_t* gs;
@@ -142,7 +140,7 @@ struct GatherOp {
   int64_t j0, j1;
   template <int NT>
   ATEN_OVERRIDE_INLINE void run(int64_t first, int64_t index) const {
-    gather_block<NT>(out, gs, weight, offset, taps + first, accumulate || index > 0, j0, j1);
+    gather_block<NT, V>(out, gs, weight, offset, taps + first, accumulate || index > 0, j0, j1);
   }
 };
 
@@ -185,9 +183,12 @@ bool slide_instructions() {
 #endif
 }
 
-// Whether the plane walk slides g's kernel rows (`width`: register_row_width's).
+// Whether the plane walk slides g's kernel rows (`width`: register_row_width's) in vectors of type V:
+// only Vec's (AVX-512) windows are single instructions.
+template <typename V>
 ATEN_OVERRIDE_INLINE bool slides(const Plane& g, int64_t width) {
-  return width >= 2 && width <= kSlideMaxWidth && g.taps / width <= kSlideMaxRows;
+  return std::is_same_v<V, Vec<typename V::value_type>> && width >= 2 && width <= kSlideMaxWidth &&
+      g.taps / width <= kSlideMaxRows;
 }
 
 // concat(a, b)[S .. S + L): a shifted down by S positions, b's first S positions after it.
@@ -314,19 +315,21 @@ ATEN_OVERRIDE_INLINE void for_slid_row_groups(const Plane& g, int64_t width, F&&
 // acc[k] (one vector per tap) += grad_weight contribution of one grad_output plane (`gs`, from its
 // margin) and input plane `xp`.
 // `width`: register_row_width's for g (the plane walk slides kernel rows where `slides`).
-template <typename acc_t>
+template <typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void correlate_plane(const Plane& g, int64_t width, acc_t* acc, const acc_t* gs, const acc_t* xp) {
   if (g.flat) {
     // gs is zero from span on (slack), so the range may be rounded up.
     const int64_t J = round_up<acc_t>(g.span());
-    if (slides(g, width)) {
-      for_slid_row_groups(g, width, [&](auto k, auto rows, int64_t r, const int64_t* offsets) ATEN_OVERRIDE_ALWAYS_INLINE {
-        constexpr int K = decltype(k)::value;
-        slide_correlate_rows<K, decltype(rows)::value>(acc + r * K * Vec<acc_t>::size, gs, xp, offsets, J);
-      });
-      return;
+    if constexpr (std::is_same_v<V, Vec<acc_t>>) {
+      if (slides<V>(g, width)) {
+        for_slid_row_groups(g, width, [&](auto k, auto rows, int64_t r, const int64_t* offsets) ATEN_OVERRIDE_ALWAYS_INLINE {
+          constexpr int K = decltype(k)::value;
+          slide_correlate_rows<K, decltype(rows)::value>(acc + r * K * V::size, gs, xp, offsets, J);
+        });
+        return;
+      }
     }
-    for_tap_blocks(g.taps, CorrelateOp<acc_t>{acc, gs, xp, g.offset.data(), 0, J});
+    for_tap_blocks(g.taps, CorrelateOp<V, acc_t>{acc, gs, xp, g.offset.data(), 0, J});
     return;
   }
   // A row's positions past its last grad_output element are zeros of the same row (pitch rounded up).
@@ -334,26 +337,28 @@ ATEN_OVERRIDE_INLINE void correlate_plane(const Plane& g, int64_t width, acc_t* 
   for (int64_t t = 0; t < g.out_t; ++t) {
     for (int64_t h = 0; h < g.out_h; ++h) {
       const int64_t j0 = g.out_row(t, h);
-      for_tap_blocks(g.taps, CorrelateOp<acc_t>{acc, gs, xp, g.offset.data(), j0, j0 + row});
+      for_tap_blocks(g.taps, CorrelateOp<V, acc_t>{acc, gs, xp, g.offset.data(), j0, j0 + row});
     }
   }
 }
 
 // out (= or += when accumulate) the grad_input contribution of one grad_output plane, over the
 // padded plane's interior [first, last) (rounded up; other positions get values nobody reads).
-template <typename acc_t>
+template <typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void gather_plane(
     const Plane& g, int64_t width, acc_t* out, const acc_t* gs, const acc_t* weight, bool accumulate) {
   if (g.flat) {
     const int64_t j0 = g.first(), j1 = j0 + round_up<acc_t>(g.last() - j0);
-    if (slides(g, width)) {
-      for_slid_row_groups(g, width, [&](auto k, auto rows, int64_t r, const int64_t* offsets) ATEN_OVERRIDE_ALWAYS_INLINE {
-        constexpr int K = decltype(k)::value;
-        slide_gather_rows<K, decltype(rows)::value>(out, gs, weight + r * K, offsets, accumulate || r > 0, j0, j1);
-      });
-      return;
+    if constexpr (std::is_same_v<V, Vec<acc_t>>) {
+      if (slides<V>(g, width)) {
+        for_slid_row_groups(g, width, [&](auto k, auto rows, int64_t r, const int64_t* offsets) ATEN_OVERRIDE_ALWAYS_INLINE {
+          constexpr int K = decltype(k)::value;
+          slide_gather_rows<K, decltype(rows)::value>(out, gs, weight + r * K, offsets, accumulate || r > 0, j0, j1);
+        });
+        return;
+      }
     }
-    for_tap_blocks(g.taps, GatherOp<acc_t>{out, gs, weight, g.offset.data(), g.class_taps.data(), accumulate, j0, j1});
+    for_tap_blocks(g.taps, GatherOp<V, acc_t>{out, gs, weight, g.offset.data(), g.class_taps.data(), accumulate, j0, j1});
     return;
   }
   // Whole rows (the pitch is a multiple of the lanes): a row never runs into the next one.
@@ -367,16 +372,15 @@ ATEN_OVERRIDE_INLINE void gather_plane(
         continue;
       }
       for_tap_blocks(
-          count, GatherOp<acc_t>{out, gs, weight, g.offset.data(), g.class_taps.data() + begin, accumulate, j0,
+          count, GatherOp<V, acc_t>{out, gs, weight, g.offset.data(), g.class_taps.data() + begin, accumulate, j0,
                                  j0 + g.pitch});
     }
   }
 }
 
 // acc (one vector) += the sum of one grad_output plane (`gs`, from its margin): grad_bias.
-template <typename acc_t>
+template <typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void sum_plane(const Plane& g, acc_t* acc, const acc_t* gs) {
-  using V = Vec<acc_t>;
   auto sum = V::load(acc);
   const int64_t width = g.flat ? round_up<acc_t>(g.span()) : round_up<acc_t>((g.out_w - 1) * g.stride_w + 1);
   for (int64_t t = 0; t < (g.flat ? 1 : g.out_t); ++t) {
@@ -388,36 +392,50 @@ ATEN_OVERRIDE_INLINE void sum_plane(const Plane& g, acc_t* acc, const acc_t* gs)
   V::store(acc, sum);
 }
 
-ATEN_OVERRIDE_CLONES void sum_f(const Plane& g, float* a, const float* gs) { sum_plane(g, a, gs); }
-ATEN_OVERRIDE_CLONES void sum_d(const Plane& g, double* a, const double* gs) { sum_plane(g, a, gs); }
-inline void sum(const Plane& g, float* a, const float* gs) { sum_f(g, a, gs); }
-inline void sum(const Plane& g, double* a, const double* gs) { sum_d(g, a, gs); }
-
-ATEN_OVERRIDE_CLONES void correlate_f(const Plane& g, int64_t width, float* a, const float* gs, const float* xp) {
-  correlate_plane(g, width, a, gs, xp);
+// The vector code, compiled for each ISA level, in the vector type wide_vectors() gives (`wide`, read
+// once per kernel call).
+ATEN_OVERRIDE_CLONES void sum_f(const Plane& g, bool wide, float* a, const float* gs) {
+  if (wide) return sum_plane<Vec<float>>(g, a, gs);
+  sum_plane<VecPair<float>>(g, a, gs);
 }
-ATEN_OVERRIDE_CLONES void correlate_d(const Plane& g, int64_t width, double* a, const double* gs, const double* xp) {
-  correlate_plane(g, width, a, gs, xp);
+ATEN_OVERRIDE_CLONES void sum_d(const Plane& g, bool wide, double* a, const double* gs) {
+  if (wide) return sum_plane<Vec<double>>(g, a, gs);
+  sum_plane<VecPair<double>>(g, a, gs);
+}
+inline void sum(const Plane& g, bool wide, float* a, const float* gs) { sum_f(g, wide, a, gs); }
+inline void sum(const Plane& g, bool wide, double* a, const double* gs) { sum_d(g, wide, a, gs); }
+
+ATEN_OVERRIDE_CLONES void correlate_f(
+    const Plane& g, int64_t width, bool wide, float* a, const float* gs, const float* xp) {
+  if (wide) return correlate_plane<Vec<float>>(g, width, a, gs, xp);
+  correlate_plane<VecPair<float>>(g, width, a, gs, xp);
+}
+ATEN_OVERRIDE_CLONES void correlate_d(
+    const Plane& g, int64_t width, bool wide, double* a, const double* gs, const double* xp) {
+  if (wide) return correlate_plane<Vec<double>>(g, width, a, gs, xp);
+  correlate_plane<VecPair<double>>(g, width, a, gs, xp);
 }
 ATEN_OVERRIDE_CLONES void gather_f(
-    const Plane& g, int64_t width, float* o, const float* gs, const float* w, bool accumulate) {
-  gather_plane(g, width, o, gs, w, accumulate);
+    const Plane& g, int64_t width, bool wide, float* o, const float* gs, const float* w, bool accumulate) {
+  if (wide) return gather_plane<Vec<float>>(g, width, o, gs, w, accumulate);
+  gather_plane<VecPair<float>>(g, width, o, gs, w, accumulate);
 }
 ATEN_OVERRIDE_CLONES void gather_d(
-    const Plane& g, int64_t width, double* o, const double* gs, const double* w, bool accumulate) {
-  gather_plane(g, width, o, gs, w, accumulate);
+    const Plane& g, int64_t width, bool wide, double* o, const double* gs, const double* w, bool accumulate) {
+  if (wide) return gather_plane<Vec<double>>(g, width, o, gs, w, accumulate);
+  gather_plane<VecPair<double>>(g, width, o, gs, w, accumulate);
 }
-inline void correlate(const Plane& g, int64_t width, float* a, const float* gs, const float* xp) {
-  correlate_f(g, width, a, gs, xp);
+inline void correlate(const Plane& g, int64_t width, bool wide, float* a, const float* gs, const float* xp) {
+  correlate_f(g, width, wide, a, gs, xp);
 }
-inline void correlate(const Plane& g, int64_t width, double* a, const double* gs, const double* xp) {
-  correlate_d(g, width, a, gs, xp);
+inline void correlate(const Plane& g, int64_t width, bool wide, double* a, const double* gs, const double* xp) {
+  correlate_d(g, width, wide, a, gs, xp);
 }
-inline void gather(const Plane& g, int64_t width, float* o, const float* gs, const float* w, bool acc) {
-  gather_f(g, width, o, gs, w, acc);
+inline void gather(const Plane& g, int64_t width, bool wide, float* o, const float* gs, const float* w, bool acc) {
+  gather_f(g, width, wide, o, gs, w, acc);
 }
-inline void gather(const Plane& g, int64_t width, double* o, const double* gs, const double* w, bool acc) {
-  gather_d(g, width, o, gs, w, acc);
+inline void gather(const Plane& g, int64_t width, bool wide, double* o, const double* gs, const double* w, bool acc) {
+  gather_d(g, width, wide, o, gs, w, acc);
 }
 
 // Input plane into the interior of xp (its borders stay zero).
@@ -455,6 +473,7 @@ void depthwise_impl(
   const Plane g = make_plane(p, L);
   // Kernel rows slid in registers (2 or 3 taps), where the CPU runs the AVX-512 clone.
   const int64_t width = slide_instructions() ? register_row_width(g, p.kernel[2]) : 0;
+  const bool wide = wide_vectors();
   const int64_t channels = p.groups, multiplier = p.out_per_group;
   const int64_t in_plane = p.in[0] * p.in[1] * p.in[2], out_plane = p.out[0] * p.out[1] * p.out[2];
   const int64_t per_channel = multiplier * g.taps;  // grad_weight / weight elements of one input channel
@@ -520,9 +539,9 @@ void depthwise_impl(
             for (int64_t q = 0; q < multiplier; ++q) {
               const int64_t co = c * multiplier + q;  // output channel
               spread_grad_output(g, go + (n * channels * multiplier + co) * out_plane, spread);
-              if (gw) correlate(g, width, acc.data() + (co - c_begin * multiplier) * g.taps * L, spread, xp.data());
-              if (gb) sum(g, bias.data() + (co - c_begin * multiplier) * L, spread);
-              if (gi) gather(g, width, gp.data(), spread, weight.data() + co * g.taps, q > 0);
+              if (gw) correlate(g, width, wide, acc.data() + (co - c_begin * multiplier) * g.taps * L, spread, xp.data());
+              if (gb) sum(g, wide, bias.data() + (co - c_begin * multiplier) * L, spread);
+              if (gi) gather(g, width, wide, gp.data(), spread, weight.data() + co * g.taps, q > 0);
             }
             if (gi) {
               unpack_grad_input(
@@ -629,11 +648,10 @@ ATEN_OVERRIDE_INLINE std::pair<const int64_t*, int64_t> window_positions(
 // acc[k] += sum over the positions j in pos[0 .. count) of gs[j] * xt[j + offset[k]], NT taps (one
 // vector each), kLanesChunk positions at a time; positions count L lanes each (from `base`), offsets
 // are pre-scaled by L.
-template <int NT, typename acc_t>
+template <int NT, typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void lanes_correlate_block(
     acc_t* acc, const acc_t* gs, const acc_t* xt, const int64_t* offset, const int64_t* pos, int64_t count,
     int64_t base) {
-  using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
   for (int64_t i0 = 0; i0 < count; i0 += kLanesChunk) {
     typename V::type sums[NT];
@@ -649,11 +667,10 @@ ATEN_OVERRIDE_INLINE void lanes_correlate_block(
 
 // out[j] (= or +=) sum over NT taps of weight[taps[k]] * gs[j - offset[taps[k]]] for the positions
 // j in pos[0 .. count) (from `base`); weight holds one vector (L channels) per tap.
-template <int NT, typename acc_t>
+template <int NT, typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void lanes_gather_block(
     acc_t* out, const acc_t* gs, const acc_t* weight, const int64_t* offset, const int64_t* taps, bool accumulate,
     const int64_t* pos, int64_t count, int64_t base) {
-  using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
   typename V::type wk[NT];
   const acc_t* src[NT];
@@ -678,6 +695,14 @@ ATEN_OVERRIDE_INLINE void lanes_gather_block(
 // every kernel row, and each output is written once. The sums are the tap-block walks' sums, in runs
 // of at most kLanesChunk positions for grad_weight.
 
+// Positions per register block of these walks, U: U grad_output vectors and up to 8 sums (grad_weight)
+// or U sums and up to 8 weight vectors (grad_input) in registers: 8 in AVX-512's 32 registers, 4 in
+// AVX2's 16 (a VecPair takes two).
+template <typename V>
+constexpr int kRowsBlock = 8;
+template <typename acc_t>
+constexpr int kRowsBlock<VecPair<acc_t>> = 4;
+
 // sums[u % P][k] += gs[u] * xt[u + k], u < U, k < K: gs and xt at the first position, one vector per
 // position. P sets of partial sums keep at least 6 FMA chains in flight when K is small.
 template <int K, int U, int P, typename V, typename acc_t>
@@ -699,10 +724,10 @@ ATEN_OVERRIDE_INLINE void rows_correlate_block(typename V::type (&sums)[P][K], c
 
 // acc[r * K + k] += sum over positions j .. j + n - 1 of gs[j] * xt[j + offset[r * K] + k], every kernel
 // row r < rows; j is the first position's vector offset, n <= kLanesChunk.
-template <int K, typename acc_t>
+template <int K, typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void rows_correlate(
     acc_t* acc, const acc_t* gs, const acc_t* xt, const int64_t* offset, int64_t rows, int64_t j, int64_t n) {
-  using V = Vec<acc_t>;
+  constexpr int U = kRowsBlock<V>;
   constexpr int64_t L = V::size;
   constexpr int P = K <= 3 ? 2 : 1;
   for (int64_t r = 0; r < rows; ++r) {
@@ -715,8 +740,10 @@ ATEN_OVERRIDE_INLINE void rows_correlate(
     const acc_t* g = gs + j;
     const acc_t* x = xt + j + offset[r * K];
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) rows_correlate_block<K, 8, P, V>(sums, g + i * L, x + i * L);
-    for (; i + 4 <= n; i += 4) rows_correlate_block<K, 4, P, V>(sums, g + i * L, x + i * L);
+    for (; i + U <= n; i += U) rows_correlate_block<K, U, P, V>(sums, g + i * L, x + i * L);
+    if constexpr (U > 4) {
+      for (; i + 4 <= n; i += 4) rows_correlate_block<K, 4, P, V>(sums, g + i * L, x + i * L);
+    }
     for (; i < n; ++i) rows_correlate_block<K, 1, P, V>(sums, g + i * L, x + i * L);
     acc_t* a = acc + r * K * L;
     ATEN_OVERRIDE_UNROLL
@@ -731,10 +758,9 @@ ATEN_OVERRIDE_INLINE void rows_correlate(
 
 // out[u] (= or +=) sum over kernel rows r < rows and k < K of weight[r * K + k] * gs[u - offset[r * K] -
 // k], u < U; out and gs at the first position, one vector per position and per tap.
-template <int K, int U, typename acc_t>
+template <int K, int U, typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void rows_gather_block(
     acc_t* out, const acc_t* gs, const acc_t* weight, const int64_t* offset, int64_t rows, bool accumulate) {
-  using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
   typename V::type sums[U];
   ATEN_OVERRIDE_UNROLL
@@ -772,28 +798,31 @@ ATEN_OVERRIDE_INLINE void for_runs(const std::vector<Run>& runs, const Window& w
   }
 }
 
-template <int K, typename acc_t>
+template <int K, typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void rows_correlate_runs(
     const LanesWalk& walk, int64_t rows, const int64_t* offset, acc_t* acc, const acc_t* gs, const acc_t* xt,
     const Window& win) {
   constexpr int64_t L = Vec<acc_t>::size;
   for_runs<acc_t>(walk.output_runs, win, [&](int64_t j, int64_t n) ATEN_OVERRIDE_ALWAYS_INLINE {
     for (int64_t i = 0; i < n; i += kLanesChunk) {
-      rows_correlate<K>(acc, gs, xt, offset, rows, j + i * L, std::min(kLanesChunk, n - i));
+      rows_correlate<K, V>(acc, gs, xt, offset, rows, j + i * L, std::min(kLanesChunk, n - i));
     }
   });
 }
 
-template <int K, typename acc_t>
+template <int K, typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void rows_gather_runs(
     const LanesWalk& walk, int64_t rows, const int64_t* offset, acc_t* out, const acc_t* gs, const acc_t* weight,
     bool accumulate, const Window& win) {
   constexpr int64_t L = Vec<acc_t>::size;
   for_runs<acc_t>(walk.input_runs, win, [&](int64_t j, int64_t n) ATEN_OVERRIDE_ALWAYS_INLINE {
+    constexpr int U = kRowsBlock<V>;
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) rows_gather_block<K, 8>(out + j + i * L, gs + j + i * L, weight, offset, rows, accumulate);
-    for (; i + 4 <= n; i += 4) rows_gather_block<K, 4>(out + j + i * L, gs + j + i * L, weight, offset, rows, accumulate);
-    for (; i < n; ++i) rows_gather_block<K, 1>(out + j + i * L, gs + j + i * L, weight, offset, rows, accumulate);
+    for (; i + U <= n; i += U) rows_gather_block<K, U, V>(out + j + i * L, gs + j + i * L, weight, offset, rows, accumulate);
+    if constexpr (U > 4) {
+      for (; i + 4 <= n; i += 4) rows_gather_block<K, 4, V>(out + j + i * L, gs + j + i * L, weight, offset, rows, accumulate);
+    }
+    for (; i < n; ++i) rows_gather_block<K, 1, V>(out + j + i * L, gs + j + i * L, weight, offset, rows, accumulate);
   });
 }
 
@@ -824,7 +853,7 @@ ATEN_OVERRIDE_INLINE void for_row_width(int64_t width, F&& f) {
   }
 }
 
-template <typename acc_t>
+template <typename V, typename acc_t>
 struct LanesCorrelateOp {
   acc_t* acc;
   const acc_t* gs;
@@ -834,11 +863,11 @@ struct LanesCorrelateOp {
   int64_t count, base;
   template <int NT>
   ATEN_OVERRIDE_INLINE void run(int64_t first, int64_t) const {
-    lanes_correlate_block<NT>(acc + first * Vec<acc_t>::size, gs, xt, offset + first, pos, count, base);
+    lanes_correlate_block<NT, V>(acc + first * V::size, gs, xt, offset + first, pos, count, base);
   }
 };
 
-template <typename acc_t>
+template <typename V, typename acc_t>
 struct LanesGatherOp {
   acc_t* out;
   const acc_t* gs;
@@ -850,25 +879,24 @@ struct LanesGatherOp {
   int64_t count, base;
   template <int NT>
   ATEN_OVERRIDE_INLINE void run(int64_t first, int64_t index) const {
-    lanes_gather_block<NT>(out, gs, weight, offset, taps + first, accumulate || index > 0, pos, count, base);
+    lanes_gather_block<NT, V>(out, gs, weight, offset, taps + first, accumulate || index > 0, pos, count, base);
   }
 };
 
 // The grad_output positions in win (gs) against the input tile xt: acc (one vector per tap, or null)
 // += grad_weight, bias (one vector, or null) += grad_bias. `offset` is the Plane's, scaled by L.
-template <typename acc_t>
+template <typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void lanes_correlate_plane(
     const LanesWalk& walk, int64_t taps, const int64_t* offset, acc_t* acc, acc_t* bias, const acc_t* gs,
     const acc_t* xt, const Window& win) {
-  using V = Vec<acc_t>;
   const int64_t* outputs = walk.outputs.data();
   const auto [pos, count] = window_positions(outputs, outputs + walk.outputs.size(), win);
   if (acc && walk.row_width >= kRowsMinCorrelateWidth) {
     for_row_width(walk.row_width, [&](auto width) ATEN_OVERRIDE_ALWAYS_INLINE {
-      rows_correlate_runs<decltype(width)::value>(walk, kernel_rows(walk, width), offset, acc, gs, xt, win);
+      rows_correlate_runs<decltype(width)::value, V>(walk, kernel_rows(walk, width), offset, acc, gs, xt, win);
     });
   } else if (acc) {
-    for_tap_blocks(taps, LanesCorrelateOp<acc_t>{acc, gs, xt, offset, pos, count, win.base});
+    for_tap_blocks(taps, LanesCorrelateOp<V, acc_t>{acc, gs, xt, offset, pos, count, win.base});
   }
   for (int64_t i0 = 0; bias && i0 < count; i0 += kLanesChunk) {
     typename V::type b = {};
@@ -879,14 +907,14 @@ ATEN_OVERRIDE_INLINE void lanes_correlate_plane(
 
 // The grad_input tile (interior positions in win) of the grad_output tile gs: out (= or +=) the gather
 // over each row class's taps (those whose rows of gs are not all gaps); `weight` one vector per tap.
-template <typename acc_t>
+template <typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void lanes_gather_plane(
     const LanesWalk& walk, const int64_t* offset, acc_t* out, const acc_t* gs, const acc_t* weight, bool accumulate,
     const Window& win) {
   constexpr int64_t L = Vec<acc_t>::size;
   if (walk.row_width) {
     for_row_width(walk.row_width, [&](auto width) ATEN_OVERRIDE_ALWAYS_INLINE {
-      rows_gather_runs<decltype(width)::value>(walk, kernel_rows(walk, width), offset, out, gs, weight, accumulate, win);
+      rows_gather_runs<decltype(width)::value, V>(walk, kernel_rows(walk, width), offset, out, gs, weight, accumulate, win);
     });
     return;
   }
@@ -902,48 +930,53 @@ ATEN_OVERRIDE_INLINE void lanes_gather_plane(
     }
     for_tap_blocks(
         ntaps,
-        LanesGatherOp<acc_t>{out, gs, weight, offset, walk.class_taps.data() + begin, accumulate, pos, count, win.base});
+        LanesGatherOp<V, acc_t>{out, gs, weight, offset, walk.class_taps.data() + begin, accumulate, pos, count, win.base});
   }
 }
 
 ATEN_OVERRIDE_CLONES void lanes_correlate_f(
     const LanesWalk& walk, int64_t taps, const int64_t* o, float* acc, float* bias, const float* gs, const float* xt,
-    const Window& win) {
-  lanes_correlate_plane(walk, taps, o, acc, bias, gs, xt, win);
+    const Window& win, bool wide) {
+  if (wide) return lanes_correlate_plane<Vec<float>>(walk, taps, o, acc, bias, gs, xt, win);
+  lanes_correlate_plane<VecPair<float>>(walk, taps, o, acc, bias, gs, xt, win);
 }
 ATEN_OVERRIDE_CLONES void lanes_correlate_d(
     const LanesWalk& walk, int64_t taps, const int64_t* o, double* acc, double* bias, const double* gs,
-    const double* xt, const Window& win) {
-  lanes_correlate_plane(walk, taps, o, acc, bias, gs, xt, win);
+    const double* xt, const Window& win, bool wide) {
+  if (wide) return lanes_correlate_plane<Vec<double>>(walk, taps, o, acc, bias, gs, xt, win);
+  lanes_correlate_plane<VecPair<double>>(walk, taps, o, acc, bias, gs, xt, win);
 }
 ATEN_OVERRIDE_CLONES void lanes_gather_f(
     const LanesWalk& walk, const int64_t* o, float* out, const float* gs, const float* w, bool accumulate,
-    const Window& win) {
-  lanes_gather_plane(walk, o, out, gs, w, accumulate, win);
+    const Window& win, bool wide) {
+  if (wide) return lanes_gather_plane<Vec<float>>(walk, o, out, gs, w, accumulate, win);
+  lanes_gather_plane<VecPair<float>>(walk, o, out, gs, w, accumulate, win);
 }
 ATEN_OVERRIDE_CLONES void lanes_gather_d(
     const LanesWalk& walk, const int64_t* o, double* out, const double* gs, const double* w, bool accumulate,
-    const Window& win) {
-  lanes_gather_plane(walk, o, out, gs, w, accumulate, win);
+    const Window& win, bool wide) {
+  if (wide) return lanes_gather_plane<Vec<double>>(walk, o, out, gs, w, accumulate, win);
+  lanes_gather_plane<VecPair<double>>(walk, o, out, gs, w, accumulate, win);
 }
 inline void lanes_correlate(
     const LanesWalk& walk, int64_t taps, const int64_t* o, float* a, float* b, const float* gs, const float* xt,
-    const Window& win) {
-  lanes_correlate_f(walk, taps, o, a, b, gs, xt, win);
+    const Window& win, bool wide) {
+  lanes_correlate_f(walk, taps, o, a, b, gs, xt, win, wide);
 }
 inline void lanes_correlate(
     const LanesWalk& walk, int64_t taps, const int64_t* o, double* a, double* b, const double* gs, const double* xt,
-    const Window& win) {
-  lanes_correlate_d(walk, taps, o, a, b, gs, xt, win);
+    const Window& win, bool wide) {
+  lanes_correlate_d(walk, taps, o, a, b, gs, xt, win, wide);
 }
 inline void lanes_gather(
-    const LanesWalk& walk, const int64_t* o, float* out, const float* gs, const float* w, bool acc, const Window& win) {
-  lanes_gather_f(walk, o, out, gs, w, acc, win);
+    const LanesWalk& walk, const int64_t* o, float* out, const float* gs, const float* w, bool acc, const Window& win,
+    bool wide) {
+  lanes_gather_f(walk, o, out, gs, w, acc, win, wide);
 }
 inline void lanes_gather(
     const LanesWalk& walk, const int64_t* o, double* out, const double* gs, const double* w, bool acc,
-    const Window& win) {
-  lanes_gather_d(walk, o, out, gs, w, acc, win);
+    const Window& win, bool wide) {
+  lanes_gather_d(walk, o, out, gs, w, acc, win, wide);
 }
 
 // The table's choice between the two walks (the autotuner measures both where both apply).
@@ -1147,6 +1180,7 @@ void depthwise_lanes_impl(
   const int64_t per_channel = multiplier * g.taps;
   const std::vector<int64_t> in_pos = input_positions(g), out_pos = output_positions(g);
   const LanesWalk walk = lanes_walk(g, p.kernel[2]);
+  const bool wide = wide_vectors();
   const std::vector<Band> bands = make_bands(g, rows_per_band, in_pos, out_pos);
   const int64_t tile = band_tile_positions(plane_rows(p), rows_per_band), halo = g.margin / g.pitch;
   TORCH_INTERNAL_ASSERT(plane_rows(p).margin == g.margin && plane_rows(p).pitch == g.pitch);
@@ -1220,8 +1254,10 @@ void depthwise_lanes_impl(
                   go_s.position);
               lanes_correlate(
                   walk, g.taps, offset.data(), gw ? acc.data() + q * g.taps * L : nullptr,
-                  gb ? bias.data() + q * L : nullptr, gs.data(), xt.data(), b.win);
-              if (gi) lanes_gather(walk, offset.data(), gp.data(), gs.data(), weight.data() + q * g.taps * L, q > 0, b.win);
+                  gb ? bias.data() + q * L : nullptr, gs.data(), xt.data(), b.win, wide);
+              if (gi) {
+                lanes_gather(walk, offset.data(), gp.data(), gs.data(), weight.data() + q * g.taps * L, q > 0, b.win, wide);
+              }
             }
             if (gi) {
               scalar_t* out = gi + n * gi_s.sample + c0 * gi_s.channel + b.gi_first * gi_s.position;

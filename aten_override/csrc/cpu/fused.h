@@ -52,6 +52,7 @@ namespace fused {
 template <typename acc_t>
 struct Vec {
   typedef acc_t type __attribute__((vector_size(64), aligned(sizeof(acc_t))));
+  using value_type = acc_t;
   static constexpr int64_t size = 64 / sizeof(acc_t);
   static ATEN_OVERRIDE_INLINE type load(const acc_t* p) { return *reinterpret_cast<const type*>(p); }
   static ATEN_OVERRIDE_INLINE void store(acc_t* p, type v) { *reinterpret_cast<type*>(p) = v; }
@@ -73,11 +74,13 @@ struct VecPair {
     half lo, hi;
     friend ATEN_OVERRIDE_INLINE type operator+(type a, type b) { return {a.lo + b.lo, a.hi + b.hi}; }
     friend ATEN_OVERRIDE_INLINE type operator*(acc_t e, type b) { return {e * b.lo, e * b.hi}; }
+    friend ATEN_OVERRIDE_INLINE type operator*(type a, type b) { return {a.lo * b.lo, a.hi * b.hi}; }
     ATEN_OVERRIDE_INLINE type& operator+=(type b) {
       lo += b.lo, hi += b.hi;
       return *this;
     }
   };
+  using value_type = acc_t;
   static constexpr int64_t size = Vec<acc_t>::size;
   static ATEN_OVERRIDE_INLINE type load(const acc_t* p) {
     return {*reinterpret_cast<const half*>(p), *reinterpret_cast<const half*>(p + size / 2)};
