@@ -6,6 +6,7 @@ bandwidth (grad_output + 2 x input + 2 x weight bytes per call) against a measur
 Run pinned, one thread (the walks are compared per core)::
 
     OMP_NUM_THREADS=1 taskset -c 1 python scripts/bench_depthwise_walks.py --runs 5
+    python scripts/bench_depthwise_walks.py --vectors wide,pair   # both vector types, on any CPU
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from aten_override import _machine
 from aten_override.ops.convolution_backward import compiled
 
 KERNELS = ("native", "depthwise-plane", "depthwise-lanes", "depthwise-bands")
@@ -62,35 +64,57 @@ def main() -> None:
     parser.add_argument("--shapes", type=Path, default=SHAPES)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--kernels", default=",".join(KERNELS))
+    parser.add_argument("--vectors", default=None,
+                        help="vector types the walks compute in, each timed as its own column: wide (AVX-512 "
+                             "registers), pair (AVX2), or both, e.g. wide,pair (default: the CPU's)")
     opts = parser.parse_args()
     ext = compiled.extension()
-    kernels = opts.kernels.split(",")
+    vectors = opts.vectors.split(",") if opts.vectors else [ext.vector_type()]
+    # (kernel, vector type) columns; native's own kernel has no vector type.
+    columns = [(k, None) if k == "native" else (k, v) for k in opts.kernels.split(",")
+               for v in (vectors if k != "native" else [None])]
+    print(_machine.header(_machine.measure()))
     bw = copy_bandwidth()
     print(f"threads {torch.get_num_threads()}, copy_ {bw / 1e9:.1f} GB/s (read + write)")
-    print(f"{'case':46s} {'dtype':5s} " + " ".join(f"{k.replace('depthwise-', ''):>8s}" for k in kernels)
+
+    def label(column):
+        k, v = column
+        name = k.replace("depthwise-", "")
+        return name if v is None or len(vectors) == 1 else f"{name}/{v}"
+
+    def run(column, args):
+        if column[1] is not None:
+            ext.set_vector_type(column[1])
+        try:
+            ext.run_kernel(column[0], *args)
+        finally:
+            ext.set_vector_type(None)
+
+    print(f"{'case':46s} {'dtype':5s} " + " ".join(f"{label(c):>11s}" for c in columns)
           + "  bands/native bands/lanes  GB/s(bands) %copy")
     for c in _cases(opts.shapes):
         for dtype in (getattr(torch, d) for d in opts.dtypes.split(",")):
             args = _args(c, dtype)
             best = {}
-            for k in kernels:
+            for col in columns:
                 try:
-                    ext.run_kernel(k, *args)  # warm-up (and: does it claim the call?)
-                    best[k] = float("inf")
-                except ValueError as e:
-                    best[k] = None
-                    why = str(e)
+                    run(col, args)  # warm-up (and: does it claim the call?)
+                    best[col] = float("inf")
+                except ValueError:
+                    best[col] = None
             for _ in range(opts.runs):
-                for k in kernels:
-                    if best[k] is None:
+                for col in columns:
+                    if best[col] is None:
                         continue
                     t0 = time.perf_counter()
-                    ext.run_kernel(k, *args)
-                    best[k] = min(best[k], time.perf_counter() - t0)
+                    run(col, args)
+                    best[col] = min(best[col], time.perf_counter() - t0)
             go, x, w = args[:3]
             nbytes = (go.numel() + 2 * x.numel() + 2 * w.numel()) * go.element_size()
-            cells = " ".join(f"{best[k] * 1e3:8.2f}" if best[k] else f"{'-':>8s}" for k in kernels)
-            b, lanes, native = (best.get(k) for k in ("depthwise-bands", "depthwise-lanes", "native"))
+            cells = " ".join(f"{best[col] * 1e3:11.2f}" if best[col] else f"{'-':>11s}" for col in columns)
+            # The ratios and bandwidths of the first vector type given.
+            b, lanes = (best.get((k, vectors[0])) for k in ("depthwise-bands", "depthwise-lanes"))
+            native = best.get(("native", None))
             ratio = lambda t: f"{b / t:.2f}" if b and t else "-"  # noqa: E731
             extra = f"  {ratio(native):>12s} {ratio(lanes):>11s}"
             if b:

@@ -106,7 +106,8 @@ namespace fused {
 // Whether the CPU kernels' vector code (cpu/fused.h) computes in 64-byte vectors, one AVX-512 register
 // each (CPUs with AVX-512), or in pairs of 32-byte vectors, two AVX2 registers (every other CPU), with
 // the register blocks of each. set_wide_vectors forces one (tests run both on any machine: the code of
-// both is built for every ISA level); nullopt gives the CPU's back. A kernel call reads it once.
+// both is built for every ISA level); nullopt gives the CPU's back. Kernels read it per call or per task
+// (their results do not depend on it beyond rounding): set it only while no kernel runs.
 bool wide_vectors();
 void set_wide_vectors(std::optional<bool> wide);
 }  // namespace fused

@@ -71,10 +71,14 @@ template <typename acc_t>
 struct VecPair {
   typedef acc_t half __attribute__((vector_size(32), aligned(sizeof(acc_t))));
   struct type {
+    using value_type = acc_t;
     half lo, hi;
     friend ATEN_OVERRIDE_INLINE type operator+(type a, type b) { return {a.lo + b.lo, a.hi + b.hi}; }
     friend ATEN_OVERRIDE_INLINE type operator*(acc_t e, type b) { return {e * b.lo, e * b.hi}; }
     friend ATEN_OVERRIDE_INLINE type operator*(type a, type b) { return {a.lo * b.lo, a.hi * b.hi}; }
+    friend ATEN_OVERRIDE_INLINE type operator*(type a, acc_t e) { return {a.lo * e, a.hi * e}; }
+    friend ATEN_OVERRIDE_INLINE type operator-(type a, type b) { return {a.lo - b.lo, a.hi - b.hi}; }
+    friend ATEN_OVERRIDE_INLINE type operator-(type a) { return {-a.lo, -a.hi}; }
     ATEN_OVERRIDE_INLINE type& operator+=(type b) {
       lo += b.lo, hi += b.hi;
       return *this;

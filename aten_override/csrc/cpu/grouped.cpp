@@ -43,11 +43,10 @@ GroupedTiles grouped_tiles(const DirectProblem& p, const Plane& g) {
 // tile gp (pitch ci_pad) from gs (grad_output, pitch co_pad, from its margin) and wv ([k][co][ci_pad]).
 // Each position sums into NA partial vectors (output channels c % NA), so that even one position
 // runs NA independent FMA chains; they are added in a fixed order at the end.
-template <int NP, int NA, typename acc_t>
+template <int NP, int NA, typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void grouped_gather_block(
     acc_t* gp, const acc_t* gs, const acc_t* wv, const int64_t* taps, int64_t ntaps, const int64_t* offset,
     int64_t co, int64_t co_pad, int64_t ci_pad, int64_t j, int64_t step) {
-  using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
   for (int64_t v = 0; v < ci_pad; v += L) {
     typename V::type s[NP][NA];
@@ -79,11 +78,10 @@ ATEN_OVERRIDE_INLINE void grouped_gather_block(
 // acc[r] (NB vectors of output channels) += sum over the output positions opos[0 .. count) of
 // gs[j][v .. v + L) * xt[j * ci_pad + xoff[r]] (xoff: offset[k] * ci_pad + ci of pair r),
 // kLanesChunk positions at a time.
-template <int NB, typename acc_t>
+template <int NB, typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void grouped_correlate_block(
     acc_t* acc, const acc_t* gs, const acc_t* xt, const int64_t* xoff, const int64_t* opos, int64_t count,
     int64_t co_pad, int64_t ci_pad, int64_t v) {
-  using V = Vec<acc_t>;
   constexpr int64_t L = V::size;
   for (int64_t i0 = 0; i0 < count; i0 += kLanesChunk) {
     typename V::type sums[NB];
@@ -98,7 +96,7 @@ ATEN_OVERRIDE_INLINE void grouped_correlate_block(
   }
 }
 
-template <typename acc_t>
+template <typename V, typename acc_t>
 struct GroupedCorrelateOp {
   acc_t* acc;
   const acc_t* gs;
@@ -108,7 +106,7 @@ struct GroupedCorrelateOp {
   int64_t count, co_pad, ci_pad, v;
   template <int NB>
   ATEN_OVERRIDE_INLINE void run(int64_t first, int64_t) const {
-    grouped_correlate_block<NB>(acc + first * Vec<acc_t>::size, gs, xt, xoff + first, opos, count, co_pad, ci_pad, v);
+    grouped_correlate_block<NB, V>(acc + first * V::size, gs, xt, xoff + first, opos, count, co_pad, ci_pad, v);
   }
 };
 
@@ -136,7 +134,7 @@ PhaseTaps phase_taps(const DirectProblem& p) {
 }
 
 // grad_input tile of one group and sample: every interior position, by row and stride phase.
-template <typename acc_t>
+template <typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void grouped_gather_plane(
     const Plane& g, const PhaseTaps& phases, const int64_t* offset, acc_t* gp, const acc_t* gs, const acc_t* wv,
     int64_t co, int64_t co_pad, int64_t ci_pad) {
@@ -153,13 +151,13 @@ ATEN_OVERRIDE_INLINE void grouped_gather_plane(
         const int64_t j0 = g.row(t, h) + c0;
         int64_t i = 0;
         for (; i + 4 <= count; i += 4) {
-          grouped_gather_block<4, 1>(gp, gs, wv, taps, ntaps, offset, co, co_pad, ci_pad, j0 + i * g.stride_w, g.stride_w);
+          grouped_gather_block<4, 1, V>(gp, gs, wv, taps, ntaps, offset, co, co_pad, ci_pad, j0 + i * g.stride_w, g.stride_w);
         }
         const int64_t j = j0 + i * g.stride_w;
         switch (count - i) {
-          case 3: grouped_gather_block<3, 2>(gp, gs, wv, taps, ntaps, offset, co, co_pad, ci_pad, j, g.stride_w); break;
-          case 2: grouped_gather_block<2, 2>(gp, gs, wv, taps, ntaps, offset, co, co_pad, ci_pad, j, g.stride_w); break;
-          case 1: grouped_gather_block<1, 4>(gp, gs, wv, taps, ntaps, offset, co, co_pad, ci_pad, j, g.stride_w); break;
+          case 3: grouped_gather_block<3, 2, V>(gp, gs, wv, taps, ntaps, offset, co, co_pad, ci_pad, j, g.stride_w); break;
+          case 2: grouped_gather_block<2, 2, V>(gp, gs, wv, taps, ntaps, offset, co, co_pad, ci_pad, j, g.stride_w); break;
+          case 1: grouped_gather_block<1, 4, V>(gp, gs, wv, taps, ntaps, offset, co, co_pad, ci_pad, j, g.stride_w); break;
           default: break;
         }
       }
@@ -168,35 +166,39 @@ ATEN_OVERRIDE_INLINE void grouped_gather_plane(
 }
 
 // grad_weight sums (acc: [co vector][pair][L]) of one group and sample.
-template <typename acc_t>
+template <typename V, typename acc_t>
 ATEN_OVERRIDE_INLINE void grouped_correlate_plane(
     acc_t* acc, const acc_t* gs, const acc_t* xt, const int64_t* xoff, int64_t pairs, const int64_t* opos,
     int64_t count, int64_t co_pad, int64_t ci_pad) {
   constexpr int64_t L = Vec<acc_t>::size;
   for (int64_t v = 0; v < co_pad; v += L) {
-    for_tap_blocks(pairs, GroupedCorrelateOp<acc_t>{acc + v / L * pairs * L, gs, xt, xoff, opos, count, co_pad, ci_pad, v});
+    for_tap_blocks(pairs, GroupedCorrelateOp<V, acc_t>{acc + v / L * pairs * L, gs, xt, xoff, opos, count, co_pad, ci_pad, v});
   }
 }
 
 ATEN_OVERRIDE_CLONES void grouped_gather_f(
     const Plane& g, const PhaseTaps& ph, const int64_t* o, float* gp, const float* gs, const float* wv, int64_t co,
     int64_t co_pad, int64_t ci_pad) {
-  grouped_gather_plane(g, ph, o, gp, gs, wv, co, co_pad, ci_pad);
+  if (wide_vectors()) return grouped_gather_plane<Vec<float>>(g, ph, o, gp, gs, wv, co, co_pad, ci_pad);
+  grouped_gather_plane<VecPair<float>>(g, ph, o, gp, gs, wv, co, co_pad, ci_pad);
 }
 ATEN_OVERRIDE_CLONES void grouped_gather_d(
     const Plane& g, const PhaseTaps& ph, const int64_t* o, double* gp, const double* gs, const double* wv, int64_t co,
     int64_t co_pad, int64_t ci_pad) {
-  grouped_gather_plane(g, ph, o, gp, gs, wv, co, co_pad, ci_pad);
+  if (wide_vectors()) return grouped_gather_plane<Vec<double>>(g, ph, o, gp, gs, wv, co, co_pad, ci_pad);
+  grouped_gather_plane<VecPair<double>>(g, ph, o, gp, gs, wv, co, co_pad, ci_pad);
 }
 ATEN_OVERRIDE_CLONES void grouped_correlate_f(
     float* acc, const float* gs, const float* xt, const int64_t* xoff, int64_t pairs, const int64_t* opos,
     int64_t count, int64_t co_pad, int64_t ci_pad) {
-  grouped_correlate_plane(acc, gs, xt, xoff, pairs, opos, count, co_pad, ci_pad);
+  if (wide_vectors()) return grouped_correlate_plane<Vec<float>>(acc, gs, xt, xoff, pairs, opos, count, co_pad, ci_pad);
+  grouped_correlate_plane<VecPair<float>>(acc, gs, xt, xoff, pairs, opos, count, co_pad, ci_pad);
 }
 ATEN_OVERRIDE_CLONES void grouped_correlate_d(
     double* acc, const double* gs, const double* xt, const int64_t* xoff, int64_t pairs, const int64_t* opos,
     int64_t count, int64_t co_pad, int64_t ci_pad) {
-  grouped_correlate_plane(acc, gs, xt, xoff, pairs, opos, count, co_pad, ci_pad);
+  if (wide_vectors()) return grouped_correlate_plane<Vec<double>>(acc, gs, xt, xoff, pairs, opos, count, co_pad, ci_pad);
+  grouped_correlate_plane<VecPair<double>>(acc, gs, xt, xoff, pairs, opos, count, co_pad, ci_pad);
 }
 inline void grouped_gather(
     const Plane& g, const PhaseTaps& ph, const int64_t* o, float* gp, const float* gs, const float* wv, int64_t co,

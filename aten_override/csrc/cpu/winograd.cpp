@@ -50,12 +50,17 @@
 namespace aten_override {
 namespace {
 
-template <typename acc_t>
-using VecOf = typename fused::Vec<acc_t>::type;
-
-// The element type of a vector type.
+// The element type of a vector type (fused::Vec's or fused::VecPair's).
+template <typename V, typename = void>
+struct elem_of {
+  using type = std::remove_cv_t<std::remove_reference_t<decltype(std::declval<V>()[0])>>;
+};
 template <typename V>
-using elem_t = std::remove_cv_t<std::remove_reference_t<decltype(std::declval<V>()[0])>>;
+struct elem_of<V, std::void_t<typename V::value_type>> {
+  using type = typename V::value_type;
+};
+template <typename V>
+using elem_t = typename elem_of<V>::type;
 
 
 // --- the 1-D transforms; each 2-D transform applies one of them along both axes -----------------
@@ -145,9 +150,9 @@ enum class Transform { Data4, GradOutput4, Output2, Weight4, Taps4 };
 
 // Tiles [begin, end) of T::kIn x T::kIn positions of src (zeros outside the plane), transformed into
 // dst[xi][t - t0][channel].
-template <typename T, typename acc_t>
+template <typename T, typename W, typename acc_t>
 ATEN_OVERRIDE_INLINE void transform_tiles(const Pass& g, const acc_t* src, acc_t* dst, int64_t begin, int64_t end) {
-  using V = VecOf<acc_t>;
+  using V = typename W::type;
   constexpr int In = T::kIn, Out = T::kOut;
   constexpr int64_t L = fused::Vec<acc_t>::size;
   const int64_t C = g.channels, xi_stride = (g.t1 - g.t0) * C;
@@ -167,18 +172,18 @@ ATEN_OVERRIDE_INLINE void transform_tiles(const Pass& g, const acc_t* src, acc_t
     }
     for (int64_t c = 0; c < C; c += L) {
       V d[In * In], v[Out * Out];
-      for (int k = 0; k < In * In; ++k) d[k] = inside[k] ? fused::Vec<acc_t>::load(ptr[k] + c) : V{};
+      for (int k = 0; k < In * In; ++k) d[k] = inside[k] ? W::load(ptr[k] + c) : V{};
       transform2d<T>(d, v);
-      for (int k = 0; k < Out * Out; ++k) fused::Vec<acc_t>::store(out + k * xi_stride + c, v[k]);
+      for (int k = 0; k < Out * Out; ++k) W::store(out + k * xi_stride + c, v[k]);
     }
   }
 }
 
 // grad_input's output transform: src[xi][t - t0][channel] (16 points) of tiles [begin, end) to their
 // 2 x 2 positions (ty * 2, tx * 2) in the planes of dst, those inside the plane.
-template <typename acc_t>
+template <typename W, typename acc_t>
 ATEN_OVERRIDE_INLINE void output_tiles(const Pass& g, const acc_t* src, acc_t* dst, int64_t begin, int64_t end) {
-  using V = VecOf<acc_t>;
+  using V = typename W::type;
   constexpr int64_t L = fused::Vec<acc_t>::size;
   const int64_t C = g.channels, xi_stride = (g.t1 - g.t0) * C;
   for (int64_t t = begin; t < end; ++t) {
@@ -188,11 +193,11 @@ ATEN_OVERRIDE_INLINE void output_tiles(const Pass& g, const acc_t* src, acc_t* d
     const acc_t* in = src + (t - g.t0) * C;
     for (int64_t c = 0; c < C; c += L) {
       V p[16], y[4];
-      for (int k = 0; k < 16; ++k) p[k] = fused::Vec<acc_t>::load(in + k * xi_stride + c);
+      for (int k = 0; k < 16; ++k) p[k] = W::load(in + k * xi_stride + c);
       transform2d<Output2>(p, y);
       for (int i = 0; i < 2; ++i) {
         for (int j = 0; j < 2; ++j) {
-          if (y0 + i < g.height && x0 + j < g.width) fused::Vec<acc_t>::store(base + ((y0 + i) * g.width + x0 + j) * C + c, y[i * 2 + j]);
+          if (y0 + i < g.height && x0 + j < g.width) W::store(base + ((y0 + i) * g.width + x0 + j) * C + c, y[i * 2 + j]);
         }
       }
     }
@@ -200,41 +205,43 @@ ATEN_OVERRIDE_INLINE void output_tiles(const Pass& g, const acc_t* src, acc_t* d
 }
 
 // Rows [begin, end) of [tap][row][channel] src (In x In taps) transformed into dst (Out x Out taps).
-template <typename T, typename acc_t>
+template <typename T, typename W, typename acc_t>
 ATEN_OVERRIDE_INLINE void transform_taps(const Pass& g, const acc_t* src, acc_t* dst, int64_t begin, int64_t end) {
-  using V = VecOf<acc_t>;
+  using V = typename W::type;
   constexpr int In = T::kIn, Out = T::kOut;
   constexpr int64_t L = fused::Vec<acc_t>::size;
   const int64_t C = g.channels, tap_stride = g.rows * C;
   for (int64_t r = begin; r < end; ++r) {
     for (int64_t c = 0; c < C; c += L) {
       V w[In * In], u[Out * Out];
-      for (int k = 0; k < In * In; ++k) w[k] = fused::Vec<acc_t>::load(src + (g.flip ? In * In - 1 - k : k) * tap_stride + r * C + c);
+      for (int k = 0; k < In * In; ++k) w[k] = W::load(src + (g.flip ? In * In - 1 - k : k) * tap_stride + r * C + c);
       transform2d<T>(w, u);
-      for (int k = 0; k < Out * Out; ++k) fused::Vec<acc_t>::store(dst + k * tap_stride + r * C + c, u[k]);
+      for (int k = 0; k < Out * Out; ++k) W::store(dst + k * tap_stride + r * C + c, u[k]);
     }
   }
 }
 
-template <typename acc_t>
+template <typename W, typename acc_t>
 ATEN_OVERRIDE_INLINE void run_range(Transform tr, const Pass& g, const acc_t* src, acc_t* dst, int64_t begin, int64_t end) {
   switch (tr) {
-    case Transform::Data4: return transform_tiles<Data4>(g, src, dst, begin, end);
-    case Transform::GradOutput4: return transform_tiles<GradOutput4>(g, src, dst, begin, end);
-    case Transform::Output2: return output_tiles(g, src, dst, begin, end);
-    case Transform::Weight4: return transform_taps<Weight4>(g, src, dst, begin, end);
-    case Transform::Taps4: return transform_taps<Taps4>(g, src, dst, begin, end);
+    case Transform::Data4: return transform_tiles<Data4, W>(g, src, dst, begin, end);
+    case Transform::GradOutput4: return transform_tiles<GradOutput4, W>(g, src, dst, begin, end);
+    case Transform::Output2: return output_tiles<W>(g, src, dst, begin, end);
+    case Transform::Weight4: return transform_taps<Weight4, W>(g, src, dst, begin, end);
+    case Transform::Taps4: return transform_taps<Taps4, W>(g, src, dst, begin, end);
   }
 }
 
 // The vector code compiled per instruction set (target_clones applies to these functions, not to the
-// lambdas of at::parallel_for, so the parallel loop calls them).
+// lambdas of at::parallel_for, so the parallel loop calls them), in the vector type wide_vectors() gives.
 ATEN_OVERRIDE_CLONES void run_range_f(Transform tr, const Pass& g, const float* src, float* dst, int64_t begin, int64_t end) {
-  run_range(tr, g, src, dst, begin, end);
+  if (fused::wide_vectors()) return run_range<fused::Vec<float>>(tr, g, src, dst, begin, end);
+  run_range<fused::VecPair<float>>(tr, g, src, dst, begin, end);
 }
 ATEN_OVERRIDE_CLONES void run_range_d(
     Transform tr, const Pass& g, const double* src, double* dst, int64_t begin, int64_t end) {
-  run_range(tr, g, src, dst, begin, end);
+  if (fused::wide_vectors()) return run_range<fused::Vec<double>>(tr, g, src, dst, begin, end);
+  run_range<fused::VecPair<double>>(tr, g, src, dst, begin, end);
 }
 
 // A tap pass (Weight4, Taps4), parallel over its rows.

@@ -343,9 +343,9 @@ def vector_type(request):
 
 
 # The kernels whose vector code computes in either vector type: the products of fused.h's micro-kernels
-# (winograd's with its GEMMs there) and the depthwise walks.
+# (winograd's with its GEMMs there, and its transforms), the depthwise walks and grouped-lanes.
 _VECTOR_CODE_KERNELS = ("pointwise-fused", "kn2row-lanes", "winograd", "depthwise-plane", "depthwise-lanes",
-                        "depthwise-bands")
+                        "depthwise-bands", "grouped-lanes")
 _VECTOR_CODE_CALLS = [p for p in CLAIMED if p.values[0] in _VECTOR_CODE_KERNELS]
 
 
