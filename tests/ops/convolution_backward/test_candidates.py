@@ -334,12 +334,16 @@ def vector_type(request):
     """Forces the vector code's type: 64-byte vectors in AVX-512 registers or pairs of 32-byte AVX2
     vectors, each with its own register blocks (the CPU's otherwise, so one machine would test only
     its own; the code of both is built for every ISA level), and restores the CPU's."""
-    ext = compiled.extension()
-    ext.set_vector_type(request.param)
+    yield from _forced(compiled.extension().set_vector_type, request.param)
+
+
+def _forced(setter, choice):
+    """A fixture's body: setter(choice) for one test, then setter(None) (the measured or the CPU's own)."""
+    setter(choice)
     try:
-        yield request.param
+        yield choice
     finally:
-        ext.set_vector_type(None)
+        setter(None)
 
 
 # The kernels whose vector code computes in either vector type: the products of fused.h's micro-kernels
@@ -476,12 +480,7 @@ def test_pointwise_fused_declines_what_it_does_not_compute_and_says_why():
 def winograd_engine(request):
     """Forces the winograd kernel's GEMM engine (measured once per process, so one machine would
     otherwise test only the engine that wins there), and restores the measured choice."""
-    ext = compiled.extension()
-    ext.set_winograd_gemm(request.param)
-    try:
-        yield request.param
-    finally:
-        ext.set_winograd_gemm(None)
+    yield from _forced(compiled.extension().set_winograd_gemm, request.param)
 
 
 _WINOGRAD_CALLS = [name for kernel, name in (p.values for p in CLAIMED) if kernel == "winograd"]
