@@ -73,7 +73,8 @@ def main() -> None:
     # (kernel, vector type) columns; native's own kernel has no vector type.
     columns = [(k, None) if k == "native" else (k, v) for k in opts.kernels.split(",")
                for v in (vectors if k != "native" else [None])]
-    print(_machine.header(_machine.measure()))
+    dtypes = [getattr(torch, d) for d in opts.dtypes.split(",")]
+    print(_machine.header(_machine.measure(dtypes=dtypes)))  # peaks of the dtypes timed only
     bw = copy_bandwidth()
     print(f"threads {torch.get_num_threads()}, copy_ {bw / 1e9:.1f} GB/s (read + write)")
 
@@ -93,7 +94,7 @@ def main() -> None:
     print(f"{'case':46s} {'dtype':5s} " + " ".join(f"{label(c):>11s}" for c in columns)
           + "  bands/native bands/lanes  GB/s(bands) %copy")
     for c in _cases(opts.shapes):
-        for dtype in (getattr(torch, d) for d in opts.dtypes.split(",")):
+        for dtype in dtypes:
             args = _args(c, dtype)
             best = {}
             for col in columns:
