@@ -59,7 +59,7 @@ struct Vec {
 };
 
 // The same 64 bytes as two 32-byte vectors: what the vector micro-kernels compute in where the CPU has
-// no AVX-512 (with_vectors below), two AVX2 registers per vector. GCC 12 splits Vec's arithmetic into
+// no AVX-512 (fused::wide_vectors() picks), two AVX2 registers per vector. GCC 12 splits Vec into
 // AVX2 halves but keeps arrays of Vec (the micro-kernels' accumulators) in memory: on a Zen 3 core
 // (AVX2, 2026-12-03) the GEMM micro-kernel ran at 3-7 GFLOP/s on Vec and 66-75 on this pair, and
 // pointwise-fused took 8-21x native's time. The data layouts (channels padded to Vec::size) are the
@@ -511,7 +511,7 @@ constexpr int64_t kLanesChunk = 32;
 // convolutions), and these products are small (a chunk's 16 Winograd GEMMs; a pointwise layer's
 // grad_weight over one chunk of positions).
 //
-// The register blocks per vector type (with_vectors): AVX-512 has 32 registers, 8 x 3 accumulators;
+// The register blocks per vector type (fused::wide_vectors()): AVX-512 has 32 registers, 8 x 3 accumulators;
 // AVX2 16, and each VecPair takes two: 6 x 1 (12 accumulators, 2 for b's vector, 1 broadcast; on a Zen 3
 // core 75 GFLOP/s, against 53-66 for 8 x 1, 4 x 1 and 3 x 2). The sums' order does not depend on them.
 template <typename V>

@@ -16,7 +16,7 @@
 //   grad_weight[co, ci] += sum_p grad_output[co, p] * input[ci, p]: the chunk's input transposed to
 //     [position][channel] (fused.h's 16x16 tiles), then fused::gemm_add's micro-kernels (Rows output
 //     channels x Cols vectors of input channels, a broadcast grad_output element times an input vector
-//     per FMA). Both in the register blocks of the CPU's vector type (fused::with_vectors: AVX-512 or
+//     per FMA). Both in the register blocks of the CPU's vector type (fused::wide_vectors(): AVX-512 or
 //     AVX2 registers).
 // Every float32 sum runs over blocks of at most kGiBlock / kGemmBlock terms in registers, then their
 // totals (within twice native's error; one running sum was 4-7x native's on long sums).
