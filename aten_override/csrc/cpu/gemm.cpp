@@ -1,5 +1,5 @@
 // The GEMM kernels of the compiled backend: grad_input and grad_weight of non-transposed
-// convolutions as matrix products (at::mm / at::addmm, so MKL or oneDNN), 1-D/2-D/3-D, any stride,
+// convolutions as matrix products (at::mm, so MKL or oneDNN), 1-D/2-D/3-D, any stride,
 // padding and dilation; grouped layers group by group (channel slices, see kGroupWorkspaceBytes).
 // With grad_output as the matrix go (C_out, positions):
 //
@@ -328,12 +328,16 @@ void with_w_stride(const DirectProblem& p, F f) {
 }
 
 // out = a @ b, or out += a @ b, in place (out may be a strided view: BLAS takes its row stride).
-void gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
-  if (accumulate) {
-    out.addmm_(a, b);
-  } else {
-    at::mm_out(out, a, b);
-  }
+// out += a @ b, the product formed apart (in `scratch`, grown as needed) and added once. MKL's sgemm
+// with beta = 1 accumulates every product straight into `out` on outputs of a few columns (measured:
+// 2-3.4 eps of the result per call on 2-8 columns, 0.3 with the product formed apart), which made
+// gemm-kn2row's grad_input one running float32 sum over all taps and channels: 16 eps of its scale
+// where native has 4, on wav2vec2's positional convolution (test_long_sums_as_accurate_as_native).
+void gemm_add(at::Tensor out, const at::Tensor& a, const at::Tensor& b, at::Tensor& scratch) {
+  if (!scratch.defined() || scratch.numel() < out.numel()) scratch = at::empty({out.numel()}, out.options());
+  at::Tensor product = scratch.narrow(0, 0, out.numel()).view(out.sizes());
+  at::mm_out(product, a, b);
+  out.add_(product);
 }
 
 // One sample's channels as a (channels, positions) matrix.
@@ -343,7 +347,7 @@ at::Tensor matrix(const at::Tensor& sample) {
 
 // Buffers reused by the chunks of a call (and by the groups of a grouped layer).
 struct Workspace {
-  at::Tensor columns, grad_output;
+  at::Tensor columns, grad_output, product;
   // The first `numel` elements of `buffer`, (re)allocated when it is smaller.
   at::Tensor get(at::Tensor& buffer, int64_t numel, const at::TensorOptions& options) {
     if (!buffer.defined() || buffer.numel() < numel) buffer = at::empty({numel}, options);
@@ -369,7 +373,7 @@ void im2col_backward(
       ? ws.get(ws.grad_output, c_out * max_columns, go.options())
       : at::Tensor();
   const at::Tensor w_t = gi.defined() ? w.view({c_out, -1}).t() : at::Tensor();  // (C_in * taps, C_out)
-  const at::Tensor gw2 = gw.defined() ? gw.view({c_out, -1}) : at::Tensor();
+  at::Tensor gw2 = gw.defined() ? gw.view({c_out, -1}) : at::Tensor();
   bool first = true;
   for (const Chunk& c : chunks) {
     const int64_t columns = c.columns(), first_column = c.row_begin * width + c.w_begin;
@@ -395,13 +399,18 @@ void im2col_backward(
                 p, x.const_data_ptr<scalar_t>(), x.stride(0), c, col.mutable_data_ptr<scalar_t>());
           });
         }
-        gemm(gw2, go_c, col.t(), /*accumulate=*/!first);
+        if (first) {
+          at::mm_out(gw2, go_c, col.t());
+        } else {
+          gemm_add(gw2, go_c, col.t(), ws.product);
+        }
       }
       if (gi.defined()) {
         if (views) {
-          gemm(matrix(gi[c.n_begin]).narrow(1, first_column, columns), w_t, go_c, false);
+          at::Tensor out = matrix(gi[c.n_begin]).narrow(1, first_column, columns);
+          at::mm_out(out, w_t, go_c);
         } else {
-          gemm(col, w_t, go_c, false);
+          at::mm_out(col, w_t, go_c);
           with_w_stride(p, [&](auto stride) {
             constexpr int64_t S = decltype(stride)::value;
             (whole ? col2im_padded<S, scalar_t> : col2im<S, scalar_t>)(
@@ -437,6 +446,7 @@ void kn2row_backward(
   const at::Tensor w_t = gi.defined() ? w.view({c_out, c_in, taps}).permute({2, 1, 0}).contiguous() : at::Tensor();
   at::Tensor acc = gw.defined() ? at::zeros({taps, c_out, c_in}, go.options()) : at::Tensor();
   if (gi.defined()) gi.zero_();
+  at::Tensor product;  // gemm_add's scratch
   for (int64_t n = 0; n < p.batch; ++n) {
     const at::Tensor go_n = matrix(go[n]);
     const at::Tensor x_n = gw.defined() ? matrix(x[n]) : at::Tensor();
@@ -448,8 +458,8 @@ void kn2row_backward(
       if (o_end <= o_begin) continue;
       const int64_t columns = (o_end - o_begin) * inner;
       const at::Tensor go_v = go_n.narrow(1, o_begin * inner, columns);
-      if (gw.defined()) gemm(acc[k], go_v, x_n.narrow(1, (o_begin + shift) * inner, columns).t(), true);
-      if (gi.defined()) gemm(gi_n.narrow(1, (o_begin + shift) * inner, columns), w_t[k], go_v, true);
+      if (gw.defined()) gemm_add(acc[k], go_v, x_n.narrow(1, (o_begin + shift) * inner, columns).t(), product);
+      if (gi.defined()) gemm_add(gi_n.narrow(1, (o_begin + shift) * inner, columns), w_t[k], go_v, product);
     }
   }
   if (gw.defined()) gw.view({c_out, c_in, taps}).copy_(acc.permute({1, 2, 0}));
