@@ -30,9 +30,10 @@
 // channels. Tiles are processed in chunks whose transformed tiles fit the L2 cache read from the
 // machine (one thread's), so each chunk goes from the transform through its GEMMs to the output
 // transform without a round trip to memory. Threads take contiguous runs of chunks, each with
-// single-threaded GEMMs (see Split); grad_weight's per-thread sums are added in a fixed order.
-// float16 / bfloat16 compute in float32, float32 in float32, float64 in float64. No atomics: two runs
-// at one thread count give the same bits (grad_weight's differ between thread counts).
+// single-threaded GEMMs (see Split). grad_weight's tiles are split into at most kWeightTasks runs, a
+// number that does not depend on the thread count, each summed into its own partial; the partials are
+// added in run order. float16 / bfloat16 compute in float32, float32 in float32, float64 in float64.
+// No atomics, and every sum's order is fixed: the same bits for any thread count.
 #include "fused.h"
 
 #include <ATen/ATen.h>
@@ -336,8 +337,12 @@ int64_t chunk_tiles(int64_t channels_a, int64_t channels_b, int64_t element, int
   return std::max<int64_t>(1, std::min(tiles, std::max<int64_t>(l2 / per_tile, 64)));
 }
 
-// The chunks of `tiles` split into contiguous runs, one per task of at::parallel_for (at most one per
-// thread, at most max_tasks): task g takes chunks [g * chunks / tasks, (g + 1) * chunks / tasks). Each
+// grad_weight's most partial sums (runs of chunks): fixed, so that the bits do not depend on the thread
+// count, and more than the threads of most machines, so that each thread takes one run or more.
+constexpr int64_t kWeightTasks = 32;
+
+// The chunks of `tiles` split into contiguous runs, tasks of at::parallel_for (at most max_tasks, at
+// most one per chunk): task g takes chunks [g * chunks / tasks, (g + 1) * chunks / tasks). Each
 // task runs its chunks' transforms and GEMMs on one thread, so the GEMMs are single-threaded and the
 // chunk stays in that core's L2 (measured: 16 small GEMMs per chunk on all threads lost to native at
 // 2 threads). One task runs on the calling thread, its GEMMs on the library's threads.
@@ -345,7 +350,7 @@ struct Split {
   int64_t tiles, chunk, chunks, tasks;
   Split(int64_t tiles_, int64_t chunk_, int64_t max_tasks)
       : tiles(tiles_), chunk(chunk_), chunks((tiles_ + chunk_ - 1) / chunk_),
-        tasks(std::max<int64_t>(1, std::min<int64_t>({chunks, at::get_num_threads(), max_tasks}))) {}
+        tasks(std::max<int64_t>(1, std::min<int64_t>(chunks, max_tasks))) {}
   int64_t first_tile(int64_t task) const { return std::min(tiles, task * chunks / tasks * chunk); }
 };
 
@@ -499,13 +504,14 @@ void grad_weight_impl(const DirectProblem& p, const at::Tensor& go_planes, const
   const at::Tensor x_planes = planes_of<scalar_t, acc_t>(x, N, C, D * H * W);
   const int64_t tiles_h = (Ho + 1) / 2, tiles_w = (Wo + 1) / 2;
   // Each task sums its chunks into its own M (16, C_out, Cp); the tasks' sums are added in task order.
-  // Tasks beyond the first cost one M each: at most as many as fit in the bytes of the two planes (so
-  // the workspace stays proportional to the layer's tensors whatever the thread count: a 1024-channel
-  // layer on 16x16 planes takes one task, 64 MiB, not one per thread).
+  // At most kWeightTasks tasks, whatever the thread count (the same bits at any); tasks beyond the
+  // first cost one M each: at most as many as fit in the bytes of the two planes (so the workspace
+  // stays proportional to the layer's tensors: a 1024-channel layer on 16x16 planes takes one task,
+  // 64 MiB).
   const int64_t sum_bytes = 16 * K * Cp * static_cast<int64_t>(sizeof(acc_t));
   const int64_t planes_bytes = go_planes.nbytes() + x_planes.nbytes();
   const Split split(N * D * tiles_h * tiles_w, chunk_tiles(Kp, Cp, sizeof(acc_t), N * D * tiles_h * tiles_w),
-                    1 + planes_bytes / sum_bytes);
+                    std::min(kWeightTasks, 1 + planes_bytes / sum_bytes));
   const auto options = go_planes.options();
   at::Tensor sums = at::empty({split.tasks, 16, K, Cp}, options);
   const bool vectors = winograd_gemm().vectors;
