@@ -491,7 +491,7 @@ void depthwise_impl(
   if (gi) advise_huge_pages(gi, gi_bytes);
 #ifdef ATEN_OVERRIDE_AVX512
   // Only outputs far larger than the caches are worth streaming past them.
-  const bool stream = gi_bytes >= kStreamBytes && has_avx512();
+  const bool stream = gi_bytes >= kStreamBytes && has_streaming();
 #else
   const bool stream = false;
 #endif
@@ -1194,7 +1194,7 @@ void depthwise_lanes_impl(
   const int64_t gi_bytes = gi ? p.batch * channels * in_plane * static_cast<int64_t>(sizeof(scalar_t)) : 0;
   if (gi) advise_huge_pages(gi, gi_bytes);
 #ifdef ATEN_OVERRIDE_AVX512
-  const bool stream = gi_bytes >= kStreamBytes && has_avx512() && gi_s.position == 1;
+  const bool stream = gi_bytes >= kStreamBytes && has_streaming() && gi_s.position == 1;
 #else
   const bool stream = false;
 #endif

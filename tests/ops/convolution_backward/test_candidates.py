@@ -96,6 +96,10 @@ def _calls():
         "depthwise k3 p1 21x19 bf16 x3": _call(6, 18, 6, 3, (21, 19), padding=1, dtype=torch.bfloat16),
         "depthwise 3x3 dilation (3, 1) p3": _call(16, 16, 16, 3, (17, 23), padding=3, dilation=(3, 1)),
         "depthwise 66x3 (66 kernel rows: tap blocks)": _call(4, 4, 4, (66, 3), (67, 9), batch=1),
+        # grad_input of 8 MiB or more is written with non-temporal stores (AVX-512 or AVX2 ones)
+        "depthwise 112x112 k3 p1 96 channels (streamed grad_input)": _call(96, 96, 96, 3, (112, 112), padding=1),
+        "grouped 16 per group 28x28 batch 24 (streamed grad_input)": _call(128, 128, 8, 3, (28, 28), padding=1,
+                                                                          batch=24),
         "grouped 4 per group s2": _call(16, 16, 4, 3, (15, 15), stride=2, padding=1),
         "grouped 16 per group s2": _call(64, 64, 4, 3, (16, 16), stride=2, padding=1),
         "grouped 1-D k16 (wav2vec2 pos_conv)": _call(32, 32, 4, 16, (20,), padding=8),
@@ -372,6 +376,25 @@ def test_vector_code_matches_native_in_either_vector_type(vector_type, kernel, c
     reference = None if args[0].dtype is torch.float64 else float64_reference(args)
     check_against_native(ours, call_native(args), reference, output_mask=args[-1],
                          where=f"{kernel} ({vector_type} vectors) on {call}")
+
+
+@pytest.mark.parametrize("kernel,call", [p for p in _VECTOR_CODE_CALLS if p.values[0] != "pointwise-fused"])
+def test_wide_and_pair_vectors_give_the_same_bits(kernel, call):
+    """Each sum has the same order in either vector type, and the tile moves are exact (on an AVX-512
+    CPU 'wide' moves tiles with AVX-512, 'pair' with AVX2, bfloat16 rounding included; elsewhere both
+    with AVX2): the same bits. pointwise-fused is left out: its register blocks change its sums'
+    order."""
+    ext = compiled.extension()
+    results = []
+    try:
+        ext.set_winograd_gemm("vectors")
+        for forced in ("wide", "pair"):
+            ext.set_vector_type(forced)
+            results.append(ext.run_kernel(kernel, *CALLS[call]))
+    finally:
+        ext.set_vector_type(None)
+        ext.set_winograd_gemm(None)
+    _assert_same_bits(results, f"{kernel} on {call}")
 
 
 def test_vector_type_is_the_cpus_and_can_be_forced():
