@@ -208,10 +208,11 @@ def _calls():
 CALLS = _calls()
 
 
-def _claimed():
+def _claimed(calls, kernels=CANDIDATES):
+    """The (kernel, call name) pairs of `calls` that each kernel computes (run once each)."""
     ext = compiled.extension()
     cases = []
-    for (name, args), kernel in itertools.product(CALLS.items(), CANDIDATES):
+    for (name, args), kernel in itertools.product(calls.items(), kernels):
         try:
             ext.run_kernel(kernel, *args)
         except ValueError:
@@ -221,7 +222,7 @@ def _claimed():
 
 
 # Every (kernel, call) of CALLS that the kernel computes (each tried once, at collection).
-CLAIMED = _claimed() if compiled.unavailable_reason() is None else []
+CLAIMED = _claimed(CALLS) if compiled.unavailable_reason() is None else []
 
 
 @pytest.mark.parametrize("kernel,call", CLAIMED)
@@ -528,19 +529,7 @@ LONG_SUMS = {
 }
 
 
-def _long_sums_claimed():
-    ext = compiled.extension()
-    cases = []
-    for (name, args), kernel in itertools.product(LONG_SUMS.items(), CANDIDATES[1:]):
-        try:
-            ext.run_kernel(kernel, *args)
-        except ValueError:
-            continue
-        cases.append(pytest.param(kernel, name, id=f"{kernel}-{name}"))
-    return cases
-
-
-LONG_SUMS_CLAIMED = _long_sums_claimed() if compiled.unavailable_reason() is None else []
+LONG_SUMS_CLAIMED = _claimed(LONG_SUMS, CANDIDATES[1:]) if compiled.unavailable_reason() is None else []
 
 
 @pytest.mark.parametrize("kernel,call", LONG_SUMS_CLAIMED)
