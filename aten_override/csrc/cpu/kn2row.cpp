@@ -1,23 +1,28 @@
-// The kn2row-lanes kernel of the compiled backend: grad_input and grad_weight of stride-1 layers whose
-// taps all lie in one dim and whose other spatial dims are 1 (1-D layers, or 2-D / 3-D ones of that
-// shape), any padding, dilation and groups, float32 / float64. Per tap, one product over only the
+// The kn2row-lanes kernel of the compiled backend: grad_input and grad_weight of layers whose taps all
+// lie in one dim and whose other spatial dims are 1 (1-D layers, or 2-D / 3-D ones of that shape), any
+// stride, padding, dilation and groups, float32 / float64. Per tap, one product over only the
 // positions where that tap meets the input, on channels-last copies with a group's channels in the
 // vector lanes, by fused::gemm_add's micro-kernels (no BLAS):
-//   grad_weight[:, :, k] += grad_output[o_begin:o_end]^T @ input[o_begin + shift : o_end + shift]
-//   grad_input[o_begin + shift : o_end + shift] += grad_output[o_begin:o_end] @ weight[:, :, k]
+//   grad_weight[:, :, k] += grad_output[o_begin:o_end]^T @ input[stride * o + shift, o in o_begin:o_end]
+//   grad_input[stride * o + shift, o in o_begin:o_end] += grad_output[o_begin:o_end] @ weight[:, :, k]
 // with shift = k * dilation - padding and [o_begin, o_end) the output positions whose input position
-// o + shift exists (the rows are positions, the columns channels of one group).
+// stride * o + shift exists (the rows are positions, the columns channels of one group).
 //
 // Why: wav2vec2's positional convolution (768 channels in 16 groups of 48, a kernel of 128 taps,
 // padding 64, over the 49 frames of one second of audio): every output position meets the input
 // through at most 49 of its 128 taps, so im2col / native compute 2.6x the products that count; and the
 // products are small (48 x 48 x 49 per group, sample and tap), where a BLAS call costs more than its
 // arithmetic (gemm-kn2row: 16 x 8 x 128 MKL calls per gradient) and MKL runs its AVX2 code on AMD CPUs.
+// Its feature encoder's dense stride-2 layers (512 channels, 3 taps, 3,199 to 199 positions) are large
+// GEMMs, which native's oneDNN ran at 47-86 GFLOP/s on a Zen 4 core that reaches 111.
 //
 // Layout: per group, [position][sample][channel] copies, so that a tap's valid positions are one run
-// of rows for every sample: one product per (group, tap) serves the whole batch.
-// Threads and bits: grad_weight's tasks are (group, tap) pairs; grad_input's are (group, block of
-// input positions) pairs, each summing over the taps in order. Every element is written by one task
+// of rows for every sample: one product per (group, tap) serves the whole batch. With a stride s the
+// input's copies are in phases: position i at row (i % s) * Q + i / s (Q = ceil(L_in / s)), so that
+// the positions stride * o + shift of a tap's valid outputs are again one run of rows, in phase
+// shift mod s (stride 1: one phase, the plain order).
+// Threads and bits: grad_weight's tasks are (group, block of taps, block of output channels); grad_input's
+// are (group, block of input rows) pairs, each summing over the taps in order. Every element is written by one task
 // in a fixed order: the same bits for any thread count, no atomics.
 #include "../convolution_backward.h"
 #include "fused.h"
@@ -40,6 +45,10 @@ constexpr int64_t kPositionBlocks = 16;
 // grad_weight's taps per task: their sums (taps x C_out / groups x ci_pad) stay in the L2 until they
 // are transposed into grad_weight (wav2vec2's positional convolution: 16 x 48 x 48 floats, 147 KiB).
 constexpr int64_t kTapBlock = 16;
+// grad_weight's output channels of a group are split into at most this many blocks of whole
+// micro-kernels (tasks for threads when there are few groups and taps); a fixed number, not the thread
+// count's, though the sums do not depend on it.
+constexpr int64_t kRowBlocks = 4;
 
 // The dim holding the taps (the last one when the kernel has a single tap).
 int tap_dim(const DirectProblem& p) {
@@ -56,22 +65,32 @@ void kn2row_lanes_typed(
   constexpr int64_t L = fused::Vec<acc_t>::size;
   const int d = tap_dim(p);
   const int64_t N = p.batch, G = p.groups, cin = p.in_per_group, cout = p.out_per_group;
-  const int64_t l_in = p.in[d], l_out = p.out[d], taps = p.kernel[d];
+  const int64_t l_in = p.in[d], l_out = p.out[d], taps = p.kernel[d], stride = p.stride[d];
   const int64_t ci_pad = fused::round_up<acc_t>(cin), co_pad = fused::round_up<acc_t>(cout);
   const auto options = go.options();
-  const auto shift_of = [&](int64_t k) { return k * p.dilation[d] - p.padding[d]; };
-  // Output positions o whose input position o + shift lies in [0, l_in).
-  const auto valid = [&](int64_t shift) {
-    return std::make_pair(std::max<int64_t>(0, -shift), std::min(l_out, l_in - shift));
+  // The input's rows: `stride` phases of q_len rows, input position i at row (i % stride) * q_len + i / stride.
+  const int64_t q_len = (l_in + stride - 1) / stride, rows_in = stride * q_len;
+  // Tap k: its outputs o read input row row0 + o, for o in [o_begin, o_end) (those whose input position
+  // stride * o + shift lies in [0, l_in)).
+  struct TapRows {
+    int64_t row0, o_begin, o_end;
+  };
+  const auto tap_rows = [&](int64_t k) {
+    const int64_t shift = k * p.dilation[d] - p.padding[d];
+    const int64_t phase = ((shift % stride) + stride) % stride, q0 = (shift - phase) / stride;
+    const int64_t phase_len = phase < l_in ? (l_in - phase + stride - 1) / stride : 0;
+    return TapRows{phase * q_len + q0, std::max<int64_t>(0, -q0), std::min(l_out, phase_len - q0)};
   };
   std::vector<int64_t> index(std::max({l_in, l_out, p.kernel[d]}));
   std::iota(index.begin(), index.end(), int64_t{0});
+  std::vector<int64_t> in_rows(l_in);
+  for (int64_t i = 0; i < l_in; ++i) in_rows[i] = i % stride * q_len + i / stride;
 
   // Channels-last copies, per group a [position][sample][channel] block (channels padded with zeros to
   // whole vectors): a tap's valid positions are then one run of rows for every sample at once, and one
-  // product serves the whole batch. grad_output, and input for grad_weight.
+  // product serves the whole batch. grad_output, and input (in phases) for grad_weight.
   const at::Tensor go_t = at::empty({G, l_out, N, co_pad}, options);
-  const at::Tensor x_t = gw ? at::empty({G, l_in, N, ci_pad}, options) : at::Tensor();
+  const at::Tensor x_t = gw ? at::empty({G, rows_in, N, ci_pad}, options) : at::Tensor();
   at::parallel_for(0, G * N, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t / N, n = t % N;
@@ -82,9 +101,9 @@ void kn2row_lanes_typed(
       }
       if (gw) {
         const acc_t* xs = x.const_data_ptr<acc_t>() + (n * G + g) * cin * l_in;
-        acc_t* xd = x_t.mutable_data_ptr<acc_t>() + (g * l_in * N + n) * ci_pad;
+        acc_t* xd = x_t.mutable_data_ptr<acc_t>() + (g * rows_in * N + n) * ci_pad;
         for (int64_t c = 0; c < cin; c += L) {
-          fused::load_tiles(xs + c * l_in, l_in, std::min(L, cin - c), index.data(), l_in, xd + c, N * ci_pad);
+          fused::load_tiles(xs + c * l_in, l_in, std::min(L, cin - c), in_rows.data(), l_in, xd + c, N * ci_pad);
         }
       }
     }
@@ -92,33 +111,39 @@ void kn2row_lanes_typed(
   const acc_t* go_d = go_t.const_data_ptr<acc_t>();
 
   if (gw) {
-    // One task per (group, block of kTapBlock taps): each tap's (C_out / groups) x ci_pad sums are one
-    // product over its valid positions of every sample, into a buffer of the block's taps (L2-sized),
-    // then transposed into grad_weight's (C_out, C_in / groups, taps) layout.
+    // One task per (group, block of kTapBlock taps, block of output channels): each tap's rows of
+    // (C_out / groups) x ci_pad sums are one product over its valid positions of every sample, into a
+    // buffer of the block's taps (L2-sized), then transposed into grad_weight's (C_out, C_in / groups,
+    // taps) layout. The channel blocks (kRowBlocks, whole micro-kernels) give threads work where a
+    // layer has few groups and taps (wav2vec2's encoder: one group, 2-3 taps); each sum is the same.
     acc_t* out = gw->mutable_data_ptr<acc_t>();
     const acc_t* x_d = x_t.const_data_ptr<acc_t>();
     const int64_t tap_blocks = (taps + kTapBlock - 1) / kTapBlock;
-    at::parallel_for(0, G * tap_blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> sums(kTapBlock * cout * ci_pad);  // [tap in block][C_out / groups][ci_pad]
+    const int64_t rows = fused::rows_of<acc_t>(fused::wide_vectors());
+    const int64_t row_block = (cout + kRowBlocks * rows - 1) / (kRowBlocks * rows) * rows;
+    const int64_t row_blocks = (cout + row_block - 1) / row_block;
+    at::parallel_for(0, G * tap_blocks * row_blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> sums(kTapBlock * row_block * ci_pad);  // [tap in block][output channel in block][ci_pad]
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t g = t / tap_blocks, k0 = t % tap_blocks * kTapBlock, k1 = std::min(taps, k0 + kTapBlock);
+        const int64_t g = t / (tap_blocks * row_blocks), rest = t % (tap_blocks * row_blocks);
+        const int64_t k0 = rest / row_blocks * kTapBlock, k1 = std::min(taps, k0 + kTapBlock);
+        const int64_t r0 = rest % row_blocks * row_block, r1 = std::min(cout, r0 + row_block), m = r1 - r0;
         for (int64_t k = k0; k < k1; ++k) {
-          const int64_t shift = shift_of(k);
-          const auto [o_begin, o_end] = valid(shift);
-          acc_t* c = sums.data() + (k - k0) * cout * ci_pad;
+          const auto [row0, o_begin, o_end] = tap_rows(k);
+          acc_t* c = sums.data() + (k - k0) * m * ci_pad;
           if (o_end <= o_begin) {  // a tap that only meets padding: zeros
-            std::fill(c, c + cout * ci_pad, acc_t(0));
+            std::fill(c, c + m * ci_pad, acc_t(0));
             continue;
           }
-          const acc_t* a = go_d + (g * l_out + o_begin) * N * co_pad;  // its transpose: (C_out / groups) x rows
-          const acc_t* b = x_d + (g * l_in + o_begin + shift) * N * ci_pad;
-          fused::gemm(cout, ci_pad, (o_end - o_begin) * N, a, 1, co_pad, b, ci_pad, c, ci_pad, /*accumulate=*/false);
+          const acc_t* a = go_d + (g * l_out + o_begin) * N * co_pad + r0;  // its transpose: channels x rows
+          const acc_t* b = x_d + (g * rows_in + row0 + o_begin) * N * ci_pad;
+          fused::gemm(m, ci_pad, (o_end - o_begin) * N, a, 1, co_pad, b, ci_pad, c, ci_pad, /*accumulate=*/false);
         }
-        for (int64_t co = 0; co < cout; ++co) {
+        for (int64_t co = r0; co < r1; ++co) {
           const int64_t row = g * cout + co;
           for (int64_t c = 0; c < cin; c += L) {
-            fused::store_tiles(sums.data() + co * ci_pad + c, index.data(), k1 - k0, out + (row * cin + c) * taps + k0,
-                               taps, std::min(L, cin - c), cout * ci_pad);
+            fused::store_tiles(sums.data() + (co - r0) * ci_pad + c, index.data(), k1 - k0, out + (row * cin + c) * taps + k0,
+                               taps, std::min(L, cin - c), m * ci_pad);
           }
         }
       }
@@ -140,22 +165,22 @@ void kn2row_lanes_typed(
         }
       }
     });
-    // grad_input as [group][position][sample][ci_pad], one task per (group, block of input positions),
-    // each summing over the taps in order.
-    at::Tensor gi_t = at::zeros({G, l_in, N, ci_pad}, options);
+    // grad_input as [group][input row][sample][ci_pad] (the input's phases), one task per (group, block
+    // of input rows), each summing over the taps in order.
+    at::Tensor gi_t = at::zeros({G, rows_in, N, ci_pad}, options);
     const acc_t* w_d = w_t.const_data_ptr<acc_t>();
-    const int64_t block = std::max<int64_t>(1, (l_in + kPositionBlocks - 1) / kPositionBlocks), blocks = (l_in + block - 1) / block;
+    const int64_t block = std::max<int64_t>(1, (rows_in + kPositionBlocks - 1) / kPositionBlocks);
+    const int64_t blocks = (rows_in + block - 1) / block;
     at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t g = t / blocks, s0 = t % blocks * block, s1 = std::min(l_in, s0 + block);
+        const int64_t g = t / blocks, s0 = t % blocks * block, s1 = std::min(rows_in, s0 + block);
         for (int64_t k = 0; k < taps; ++k) {
-          const int64_t shift = shift_of(k);
-          auto [o_begin, o_end] = valid(shift);
-          o_begin = std::max(o_begin, s0 - shift), o_end = std::min(o_end, s1 - shift);
+          auto [row0, o_begin, o_end] = tap_rows(k);
+          o_begin = std::max(o_begin, s0 - row0), o_end = std::min(o_end, s1 - row0);
           if (o_end <= o_begin) continue;
           fused::gemm((o_end - o_begin) * N, ci_pad, cout, go_d + (g * l_out + o_begin) * N * co_pad, co_pad, 1,
                           w_d + (g * taps + k) * cout * ci_pad, ci_pad,
-                          gi_t.mutable_data_ptr<acc_t>() + (g * l_in + o_begin + shift) * N * ci_pad, ci_pad,
+                          gi_t.mutable_data_ptr<acc_t>() + (g * rows_in + row0 + o_begin) * N * ci_pad, ci_pad,
                           /*accumulate=*/true);
         }
       }
@@ -166,8 +191,8 @@ void kn2row_lanes_typed(
       for (int64_t t = begin; t < end; ++t) {
         const int64_t g = t / N, n = t % N;
         for (int64_t c = 0; c < cin; c += L) {
-          fused::store_tiles(sums + (g * l_in * N + n) * ci_pad + c, index.data(), l_in, out + ((n * G + g) * cin + c) * l_in,
-                             l_in, std::min(L, cin - c), N * ci_pad);
+          fused::store_tiles(sums + (g * rows_in * N + n) * ci_pad + c, in_rows.data(), l_in,
+                             out + ((n * G + g) * cin + c) * l_in, l_in, std::min(L, cin - c), N * ci_pad);
         }
       }
     });
@@ -183,7 +208,6 @@ std::optional<std::string> kn2row_lanes_unsupported(const DirectProblem& p, at::
   if (p.in_per_group == 1) return "one input channel per group (depthwise, one-channel: their own kernels)";
   const int d = tap_dim(p);
   for (int i = 0; i < 3; ++i) {
-    if (p.stride[i] != 1) return "not stride 1";
     if (i != d && (p.in[i] != 1 || p.kernel[i] != 1 || p.padding[i] != 0)) {
       return "not 1-D shaped (taps in one dim, every other spatial dim 1)";
     }

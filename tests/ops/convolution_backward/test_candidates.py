@@ -153,6 +153,20 @@ def _calls():
                                                                               batch=3)
     calls["1-D k9 p4 over 4 positions, dead taps f64"] = _call(20, 70, 1, 9, (4,), padding=4, dtype=torch.float64)
     calls["1-D k3 p1 d2 40->80 long rows"] = _call(40, 80, 1, 3, (300,), padding=1, dilation=2, batch=3)
+    # kn2row-lanes at strides > 1: the input's copies in phases (position i at row (i % s) * ceil(L / s) +
+    # i / s), a tap's positions one run of rows in its phase: phases of unequal length (L not a multiple
+    # of s), strides over the kernel (positions no tap meets), padding shifting taps across phases,
+    # dilation, groups, a 2-D layer of 1-D shape, float64
+    calls["1-D k3 s2 64->48 over 401 (wav2vec2 conv_layers)"] = _call(64, 48, 1, 3, (401,), stride=2, batch=3)
+    calls["1-D k2 s2 40->24 over 64"] = _call(40, 24, 1, 2, (64,), stride=2)
+    calls["1-D k2 s3 p1 over 50 (gaps)"] = _call(20, 36, 1, 2, (50,), stride=3, padding=1)
+    calls["1-D k5 s4 p3 d2 grouped"] = _call(24, 32, 4, 5, (97,), stride=4, padding=3, dilation=2)
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 16, 1, 60, generator=g), torch.randn(24, 16, 1, 7, generator=g)
+    go = torch.randn(torch.nn.functional.conv2d(x, w, stride=(1, 3), padding=(0, 2)).shape, generator=g)
+    calls["1x7 s(1, 3) p(0, 2) 2-D of 1-D shape"] = (go, x, w, [24], [1, 3], [0, 2], [1, 1], False, [0, 0], 1,
+                                                     [True, True, True])
+    calls["1-D k3 s2 p1 f64 over 33"] = _call(18, 20, 1, 3, (33,), stride=2, padding=1, dtype=torch.float64)
     g = torch.Generator().manual_seed(4)
     x2, w2 = torch.randn(2, 24, 1, 40, generator=g), torch.randn(36, 8, 1, 5, generator=g)
     go2 = torch.randn(2, 36, 1, 38, generator=g)
@@ -670,7 +684,7 @@ def test_depthwise_bands_are_deterministic():
 def test_kn2row_lanes_declines_what_it_does_not_compute_and_says_why():
     ext = compiled.extension()
     for call, why in [("depthwise 1-D k31 (Conformer)", "one input channel per group"),
-                      ("1-D k5 s2 p3 d2 long rows", "not stride 1"),
+                      ("dense 3x3", "not 1-D shaped"),
                       ("3x1x1 (R(2+1)D)", "not 1-D shaped"),
                       ("depthwise 5x5 s2 bf16", "float16 / bfloat16: not built")]:
         with pytest.raises(ValueError, match=f"kn2row-lanes cannot compute this call: {why}"):
