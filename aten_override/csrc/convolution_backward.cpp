@@ -127,7 +127,10 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "0.57-0.84x native on ResNet-50's stride-1 3x3 layers at one thread, which the table does not assume), and "
      "pointwise-fused on 1x1 stride-1 float32 / float64 layers (cpu/pointwise.cpp: both gradients in one pass "
      "over grad_output; 0.5-0.7x native's Slow2d on few-channel layers with large planes, MobileNetV2's and "
-     "EfficientNet's expand convolutions, at one thread; slower than native on small planes)"},
+     "EfficientNet's expand convolutions, at one thread; slower than native on small planes), pointwise-bf16 on "
+     "1x1 stride-1 bfloat16 layers where the CPU has AVX512_BF16 (cpu/pointwise_bf16.cpp: the same plan with "
+     "bfloat16 dot products; 0.5-0.8x native's oneDNN on few-channel layers, one thread, Zen 4), and kn2row-lanes "
+     "on float32 / float64 layers of 1-D shape, any stride (cpu/kn2row.cpp)"},
     {"transposed", "native", "transposed layers: no compiled kernel yet; native's oneDNN paths serve them (use native)"},
     {"bias-only", "sum",
      "output_mask asks for neither grad_input nor grad_weight: grad_bias is grad_output's sum over every dim but 1 "
@@ -195,6 +198,7 @@ enum class Kernel : int {
   Winograd,      // cpu/winograd.cpp, grad_input F(2x2, 3x3), grad_weight F(3x3, 2x2)
   PointwiseFused,  // cpu/pointwise.cpp, 1x1 stride 1: both gradients in one pass, vector micro-kernels
   Kn2rowLanes,   // cpu/kn2row.cpp, 1-D stride 1: per tap over the positions it meets, vector micro-kernels
+  PointwiseBf16,  // cpu/pointwise_bf16.cpp, bfloat16 1x1 stride 1: both gradients in one pass, bfloat16 dot products
   Test,          // a fake candidate for the autotuner's tests (set_test_candidate); never otherwise
   Count
 };
@@ -202,7 +206,8 @@ enum class Kernel : int {
 constexpr const char* kKernelNames[] = {"native",          "zeros",           "sum",           "upcast",
                                         "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct",
                                         "grouped-lanes",   "gemm-im2col",     "gemm-kn2row",   "winograd",
-                                        "pointwise-fused", "kn2row-lanes",    "test"};
+                                        "pointwise-fused", "kn2row-lanes",    "pointwise-bf16",
+                                        "test"};
 static_assert(sizeof(kKernelNames) / sizeof(kKernelNames[0]) == static_cast<size_t>(Kernel::Count));
 
 
@@ -907,6 +912,11 @@ Result pointwise_fused_backward(const Args& a, const Expanded& e) {
   return contiguous_kernel_backward(a, [&](auto&&... t) { pointwise_backward_cpu(direct_problem(a, e), t...); });
 }
 
+// The bfloat16 pointwise kernel's result, in upstream's layout (cpu/pointwise_bf16.cpp).
+Result pointwise_bf16_backward(const Args& a, const Expanded& e) {
+  return contiguous_kernel_backward(a, [&](auto&&... t) { pointwise_bf16_backward_cpu(direct_problem(a, e), t...); });
+}
+
 // The kn2row-lanes kernel's result, in upstream's layout (cpu/kn2row.cpp).
 Result kn2row_lanes_backward(const Args& a, const Expanded& e) {
   return contiguous_kernel_backward(a, [&](auto&&... t) { kn2row_lanes_backward_cpu(direct_problem(a, e), t...); });
@@ -1101,6 +1111,7 @@ std::optional<std::string> candidate_unsupported(Kernel k, const Args& a, const 
     case Kernel::Winograd: return winograd_unsupported(p);
     case Kernel::PointwiseFused: return pointwise_unsupported(p, dtype);
     case Kernel::Kn2rowLanes: return kn2row_lanes_unsupported(p, dtype);
+    case Kernel::PointwiseBf16: return pointwise_bf16_unsupported(p, dtype);
     case Kernel::Test:
       if (test_candidate().load() != TestCandidate::Off) return std::nullopt;
       return "test candidate off";
@@ -1151,6 +1162,7 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
     case Kernel::GemmKn2row:
     case Kernel::Winograd:
     case Kernel::PointwiseFused:
+    case Kernel::PointwiseBf16:
     case Kernel::Kn2rowLanes: {
       const bool gemm = k == Kernel::GemmIm2col || k == Kernel::GemmKn2row;
       const bool winograd = k == Kernel::Winograd;
@@ -1158,6 +1170,7 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
       auto result = winograd                  ? winograd_backward(a, e)
           : k == Kernel::GroupedLanes         ? grouped_lanes_backward(a, e)
           : k == Kernel::PointwiseFused       ? pointwise_fused_backward(a, e)
+          : k == Kernel::PointwiseBf16        ? pointwise_bf16_backward(a, e)
           : k == Kernel::Kn2rowLanes          ? kn2row_lanes_backward(a, e)
           : k == Kernel::GemmIm2col           ? gemm_backward(a, e, GemmAlgorithm::Im2col)
           : k == Kernel::GemmKn2row           ? gemm_backward(a, e, GemmAlgorithm::Kn2row)
@@ -1921,6 +1934,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("type"),
       "set_vector_type(type): force the vector code's type ('wide' or 'pair'; both are built for every ISA level, so "
       "tests run both on any machine), or None for the CPU's. Raises ValueError for another name");
+  m.def(
+      "bf16_dot", []() { return bf16_dot(); },
+      "bf16_dot() -> 'avx512_bf16' | 'emulated' | 'none': the bfloat16 dot products pointwise-bf16 runs: the CPU's "
+      "AVX512_BF16 instruction (vdpbf16ps), the same sums in scalar code (forced by set_bf16_dot), or none (this "
+      "CPU has no AVX512_BF16: the kernel declines)");
+  m.def(
+      "set_bf16_dot",
+      [](std::optional<std::string> kind) {
+        if (kind && *kind != "avx512_bf16" && *kind != "emulated") {
+          throw py::value_error("set_bf16_dot: kind must be 'avx512_bf16', 'emulated' or None, got '" + *kind + "'");
+        }
+        set_bf16_dot(kind ? std::optional<bool>(*kind == "avx512_bf16") : std::nullopt);
+      },
+      py::arg("kind"),
+      "set_bf16_dot(kind): force pointwise-bf16's dot products ('emulated' runs on any CPU, so tests run the kernel "
+      "everywhere; 'avx512_bf16' raises RuntimeError on a CPU without it), or None for the CPU's. Raises ValueError "
+      "for another name");
   m.def("autotune_entries", &py_autotune_entries,
         "[(signature, kernel, {candidate: fastest run us}, {candidate: why it could not win}, tuning us)] of the "
         "results table; times and tuning cost are empty / 0 for loaded entries.");

@@ -141,10 +141,24 @@ void pointwise_backward_cpu(
     const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight);
 
-// The kn2row-lanes kernel (cpu/kn2row.cpp): stride-1 layers with every tap in one dim and every other
-// spatial dim 1 (1-D layers), any padding, dilation and groups, float32 / float64: per tap, one product
-// over the positions where that tap meets the input, on channels-last copies, with vector
-// micro-kernels; the same bits for any thread count. Tensors as for gemm_backward_cpu.
+// The bfloat16 pointwise kernel (cpu/pointwise_bf16.cpp): the layers of pointwise_unsupported's in bfloat16,
+// both gradients in one pass with the CPU's bfloat16 dot products (AVX512_BF16's vdpbf16ps), float32
+// sums rounded once, the same bits for any thread count. pointwise_bf16_unsupported says why a problem
+// is not one of these, or why this CPU cannot run it (nullopt: it is). bf16_dot() says which dot
+// products it runs: "avx512_bf16" (the instruction), "emulated" (the same sums in scalar code, forced by
+// set_bf16_dot(false) so that tests run the kernel on any CPU) or "none" (this CPU has no AVX512_BF16);
+// set_bf16_dot(nullopt) gives the CPU's back. Set it only while no kernel runs.
+std::optional<std::string> pointwise_bf16_unsupported(const DirectProblem& p, at::ScalarType dtype);
+void pointwise_bf16_backward_cpu(
+    const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight);
+const char* bf16_dot();
+void set_bf16_dot(std::optional<bool> hardware);
+
+// The kn2row-lanes kernel (cpu/kn2row.cpp): layers with every tap in one dim and every other spatial dim
+// 1 (1-D layers), any stride, padding, dilation and groups, float32 / float64: per tap, one product over
+// the positions where that tap meets the input, on channels-last copies (the input's in phases of the
+// stride), with vector micro-kernels; the same bits for any thread count. Tensors as for gemm_backward_cpu.
 // kn2row_lanes_unsupported says why a problem is not one of these (nullopt: it is).
 std::optional<std::string> kn2row_lanes_unsupported(const DirectProblem& p, at::ScalarType dtype);
 void kn2row_lanes_backward_cpu(

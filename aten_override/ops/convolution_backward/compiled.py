@@ -35,11 +35,15 @@ dense                native   dense 1-D/2-D layers, and what the GEMM classes be
                               process: ``_C.winograd_gemm()``), on 1x1 stride-1
                               float32/float64 layers pointwise-fused (``csrc/cpu/pointwise.cpp``: both
                               gradients in one pass over grad_output with vector micro-kernels, where
-                              MKL runs the skinny GEMMs of few-channel layers at 30-50 GFLOP/s), and on
-                              stride-1 float32/float64 layers of 1-D shape (any groups, padding,
+                              MKL runs the skinny GEMMs of few-channel layers at 30-50 GFLOP/s), on 1x1
+                              stride-1 bfloat16 layers, where the CPU has AVX512_BF16, pointwise-bf16
+                              (``csrc/cpu/pointwise_bf16.cpp``: the same plan on pairs of bfloat16
+                              values with the CPU's bfloat16 dot products; ``_C.bf16_dot()``), and on
+                              float32/float64 layers of 1-D shape (any stride, groups, padding,
                               dilation) kn2row-lanes (``csrc/cpu/kn2row.cpp``: per tap, one product over
                               only the positions where the tap meets the input, on channels-last copies;
-                              wav2vec2's positional convolution, 128 taps over 49 frames)
+                              wav2vec2's positional convolution, 128 taps over 49 frames, and its
+                              feature encoder's stride-2 layers)
 transposed           native   no compiled kernel yet
 bias-only            sum      ``output_mask`` asks for neither grad_input nor grad_weight: grad_bias is
                               grad_output's sum (whatever the weight: zero output channels or kernel size too)

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(compiled.unavailable_reason() is not None, reaso
 # The kernels the autotuner chooses between (not the correctness classes zeros / sum / upcast, nor
 # the autotuner's fake test candidate).
 CANDIDATES = ("native", "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct", "grouped-lanes", "gemm-im2col",
-              "gemm-kn2row", "winograd", "pointwise-fused", "kn2row-lanes")
+              "gemm-kn2row", "winograd", "pointwise-fused", "kn2row-lanes", "pointwise-bf16")
 
 
 def _call(c_in, c_out, groups, kernel, spatial, *, stride=1, padding=0, dilation=1, batch=2,
@@ -123,6 +123,17 @@ def _calls():
         "pointwise 1->3 1-D 17 f64": _call(1, 3, 1, 1, (17,), dtype=torch.float64, batch=3),
         "pointwise 1152->1280 3x3 (wide)": _call(1152, 1280, 1, 1, (3, 3), batch=2),
         "pointwise 40->24 channels_last": _call(40, 24, 1, 1, (15, 9), channels_last=True),
+        # pointwise-bf16 (1x1 stride 1, bfloat16): pairs of channels and of positions, so odd C_out and odd
+        # planes (a chunk's last position a pair of its own), C_in off the 16 lanes, chunks, partials
+        "pointwise 16->96 112x112 bf16 batch 1 (chunks)": _call(16, 96, 1, 1, (112, 112), dtype=torch.bfloat16,
+                                                               batch=1),
+        "pointwise 96->24 28x28 bf16 (EfficientNet project)": _call(96, 24, 1, 1, (28, 28), dtype=torch.bfloat16),
+        "pointwise 17->33 7x7 bf16 batch 40 (odd plane, partials)": _call(17, 33, 1, 1, (7, 7), dtype=torch.bfloat16,
+                                                                         batch=40),
+        "pointwise 3->5 1-D 1 bf16": _call(3, 5, 1, 1, (1,), dtype=torch.bfloat16, batch=3),
+        "pointwise 200->1 1-D 999 bf16": _call(200, 1, 1, 1, (999,), dtype=torch.bfloat16),
+        "pointwise 1->64 1-D 77 bf16": _call(1, 64, 1, 1, (77,), dtype=torch.bfloat16),
+        "pointwise 40->24 channels_last bf16": _call(40, 24, 1, 1, (15, 9), dtype=torch.bfloat16, channels_last=True),
         "1-D k3 s2 (wav2vec2 feature encoder)": _call(16, 16, 1, 3, (199,), stride=2),
         # gemm-im2col splits rows longer than its workspace holds (8 MiB; 1 MiB per group): parts that
         # start and end inside the padding, strides and dilation across part boundaries, float64
@@ -214,6 +225,7 @@ def _calls():
         calls[f"depthwise 112x112 s2 mask {bits}"] = _call(17, 17, 17, 3, (112, 112), stride=2, padding=1, batch=1,
                                                            mask=mask)
         calls[f"pointwise 16->96 mask {bits}"] = _call(16, 96, 1, 1, (33, 40), mask=mask)
+        calls[f"pointwise 16->96 bf16 mask {bits}"] = _call(16, 96, 1, 1, (33, 41), dtype=torch.bfloat16, mask=mask)
         calls[f"1-D long rows mask {bits}"] = _call(512, 8, 1, 4, (2203,), stride=2, padding=1, batch=1, mask=mask)
         calls[f"grouped 1-D k40 p20 mask {bits}"] = _call(32, 48, 2, 40, (17,), padding=20, mask=mask)
     return calls
@@ -606,6 +618,171 @@ def test_pointwise_fused_declines_what_it_does_not_compute_and_says_why():
     grouped_1x1 = _call(8, 8, 2, 1, (5, 5))
     with pytest.raises(ValueError, match="pointwise-fused cannot compute this call: grouped"):
         ext.run_kernel("pointwise-fused", *grouped_1x1)
+
+
+# --- pointwise-bf16: the CPU's bfloat16 dot products (AVX512_BF16), or the same sums emulated -----
+
+def _cpu_flags():
+    if not sys.platform.startswith("linux"):
+        return set()
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+HAS_BF16_DOT = "avx512_bf16" in _cpu_flags() and {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags()
+
+
+def _claimed_by_pointwise_bf16():
+    """The calls of CALLS pointwise-bf16 computes with its dot products emulated (so on any CPU)."""
+    ext = compiled.extension()
+    ext.set_bf16_dot("emulated")
+    try:
+        return [p.values[1] for p in _claimed(CALLS, ("pointwise-bf16",))]
+    finally:
+        ext.set_bf16_dot(None)
+
+
+POINTWISE_BF16_CALLS = _claimed_by_pointwise_bf16() if compiled.unavailable_reason() is None else []
+
+
+@pytest.fixture(params=["avx512_bf16", "emulated"])
+def bf16_dot(request):
+    """Forces pointwise-bf16's dot products: the CPU's AVX512_BF16 instruction, or the same sums in
+    scalar code, which runs on any CPU (so every machine tests the kernel's chunks, pairs and tails);
+    restores the CPU's after."""
+    if request.param == "avx512_bf16" and not HAS_BF16_DOT:
+        pytest.skip("this CPU has no AVX512_BF16 (no avx512_bf16 flag in /proc/cpuinfo)")
+    yield from _forced(compiled.extension().set_bf16_dot, request.param)
+
+
+def test_pointwise_bf16_claims_its_calls():
+    """Every bfloat16 stride-1 1x1 call of CALLS (odd planes and channel counts, chunks, partials,
+    channels-last, every mask) and nothing else, so the tests below can fail."""
+    expected = {name for name, args in CALLS.items()
+                if name.startswith("pointwise") and args[0].dtype is torch.bfloat16 and " s2" not in name}
+    assert len(expected) >= 10
+    assert set(POINTWISE_BF16_CALLS) == expected
+
+
+@pytest.mark.parametrize("call", POINTWISE_BF16_CALLS)
+def test_pointwise_bf16_matches_native(bf16_dot, call):
+    args = CALLS[call]
+    ours = compiled.extension().run_kernel("pointwise-bf16", *args)
+    assert ours is not None, "pointwise-bf16 declined finite inputs"
+    check_against_native(ours, call_native(args), float64_reference(args), output_mask=args[-1],
+                         where=f"pointwise-bf16 ({bf16_dot}) on {call}")
+
+
+@pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU has no AVX512_BF16 (no avx512_bf16 flag in /proc/cpuinfo)")
+@pytest.mark.parametrize("call", POINTWISE_BF16_CALLS)
+def test_pointwise_bf16_instruction_and_emulation_give_the_same_bits(call):
+    """vdpbf16ps adds the odd product, then the even one, each add rounded (Intel's definition; a Zen 4
+    core matched it on 1.6 million random lanes): the emulation sums in that order, so the two give the
+    same bits (denormals aside, which the instruction flushes), and the emulation that CPUs without
+    AVX512_BF16 test is the kernel that runs here. The instruction's data moves (word permutes, 16x16
+    transposes of pairs, masked tails, rounding) are checked by the same equality."""
+    ext = compiled.extension()
+    results = []
+    try:
+        for kind in ("avx512_bf16", "emulated"):
+            ext.set_bf16_dot(kind)
+            results.append(ext.run_kernel("pointwise-bf16", *CALLS[call]))
+    finally:
+        ext.set_bf16_dot(None)
+    _assert_same_bits(results, f"pointwise-bf16 on {call}")
+
+
+@pytest.mark.parametrize("call", ["pointwise 16->96 112x112 bf16 batch 1 (chunks)",
+                                  "pointwise 17->33 7x7 bf16 batch 40 (odd plane, partials)"])
+def test_pointwise_bf16_gives_the_same_bits_at_any_thread_count(bf16_dot, call):
+    """grad_weight's float32 partials are a fixed number of slabs of (sample, chunk) tasks, added in
+    slab order and rounded once; each grad_input element is written by one task."""
+    _assert_same_bits(_run_at_thread_counts("pointwise-bf16", CALLS[call]), f"pointwise-bf16 ({bf16_dot}) on {call}")
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 24, 112), (4, 32, 2048, 8), (8, 512, 2048, 7), (8, 96, 24, 56)],
+                         ids=["grad_weight over 2x112x112", "grad_input over 2048 channels", "ResNet-50 layer4 conv3",
+                              "EfficientNet project"])
+def test_pointwise_bf16_long_sums_as_accurate_as_native(bf16_dot, shape):
+    """One-signed data (a ReLU's output, a loss's gradient) with long float32 sums: grad_weight over
+    every position of the batch, grad_input over C_out channels. Each sum runs over blocks of 128 pairs,
+    then their totals, rounded to bfloat16 once: within twice native's error against float64 (plus a
+    few bfloat16 ulps of the result's scale), as every comparison here."""
+    n, c_in, c_out, size = shape
+    g = torch.Generator().manual_seed(5)
+    x = (torch.rand(n, c_in, size, size, generator=g) + 0.5).bfloat16()
+    go = (torch.rand(n, c_out, size, size, generator=g) + 0.5).bfloat16()
+    w = (torch.randn(c_out, c_in, 1, 1, generator=g) / c_in ** 0.5 + 1.0).bfloat16()
+    args = (go, x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, False])
+    ours = compiled.extension().run_kernel("pointwise-bf16", *args)
+    check_against_native(ours, call_native(args), float64_reference(args), output_mask=args[-1],
+                         where=f"pointwise-bf16 ({bf16_dot}) long sums {shape}")
+
+
+@pytest.mark.parametrize("where", ["grad_output", "input", "weight"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_pointwise_bf16_non_finite_values_decline_or_match_native(bf16_dot, where, bad):
+    """As pointwise-fused: no padding, so an inf or NaN gives native's pattern, or the kernel declines
+    (a grad_weight or weight not finite) and native's result serves. The planes are odd (9x31), and a
+    bad value also sits in the first position of a plane that follows another in memory: an odd chunk's
+    last position is a pair of its own, so that value never reaches the channel before it."""
+    ext = compiled.extension()
+    args = list(_call(20, 35, 1, 1, (9, 31), batch=3, dtype=torch.bfloat16))
+    index = {"grad_output": 0, "input": 1, "weight": 2}[where]
+    t = args[index].clone()
+    flat = t.view(-1)
+    flat[t.numel() // 2 + 3] = bad
+    if where != "weight":
+        t[1, 5, 0, 0] = bad
+    args[index] = t
+    for mask in ([True, True, True], [True, False, False], [False, True, False]):
+        call = (*args[:-1], mask)
+        ours = ext.run_kernel("pointwise-bf16", *call)
+        if ours is None:
+            continue
+        for o, n, wanted in zip(ours, call_native(call), mask):
+            if wanted:
+                torch.testing.assert_close(o.float(), n.float(), equal_nan=True, rtol=2e-2, atol=2e-2)
+    assert ext.run_kernel("pointwise-bf16", *(*args[:-1], [True, False, False])) is None or where != "weight"
+
+
+def test_bf16_dot_is_the_cpus_and_can_be_forced():
+    ext = compiled.extension()
+    assert ext.bf16_dot() == ("avx512_bf16" if HAS_BF16_DOT else "none")
+    try:
+        ext.set_bf16_dot("emulated")
+        assert ext.bf16_dot() == "emulated"
+        with pytest.raises(ValueError, match="kind must be 'avx512_bf16', 'emulated' or None, got 'amx'"):
+            ext.set_bf16_dot("amx")
+        if HAS_BF16_DOT:
+            ext.set_bf16_dot("avx512_bf16")
+            assert ext.bf16_dot() == "avx512_bf16"
+        else:
+            with pytest.raises(RuntimeError, match="this CPU has no AVX512_BF16"):
+                ext.set_bf16_dot("avx512_bf16")
+    finally:
+        ext.set_bf16_dot(None)
+    assert ext.bf16_dot() == ("avx512_bf16" if HAS_BF16_DOT else "none")
+
+
+def test_pointwise_bf16_declines_what_it_does_not_compute_and_says_why():
+    ext = compiled.extension()
+    cases = [("pointwise s2", "not 1x1 with stride 1 and no padding"),
+             ("pointwise 16->96 112x56 (MobileNetV2 expand)", "not bfloat16"),
+             ("pointwise 24->40 f16", "not bfloat16"),
+             ("3x3 p1 bf16", "not 1x1 with stride 1 and no padding")]
+    try:
+        ext.set_bf16_dot("emulated")
+        for call, why in cases:
+            with pytest.raises(ValueError, match=f"pointwise-bf16 cannot compute this call: {why}"):
+                ext.run_kernel("pointwise-bf16", *CALLS[call])
+        with pytest.raises(ValueError, match="pointwise-bf16 cannot compute this call: grouped"):
+            ext.run_kernel("pointwise-bf16", *_call(8, 8, 2, 1, (5, 5), dtype=torch.bfloat16))
+    finally:
+        ext.set_bf16_dot(None)
+    if not HAS_BF16_DOT:
+        with pytest.raises(ValueError, match="this CPU has no AVX512_BF16 dot products"):
+            ext.run_kernel("pointwise-bf16", *CALLS["pointwise 96->24 28x28 bf16 (EfficientNet project)"])
 
 
 @pytest.fixture(params=["library", "vectors"])
