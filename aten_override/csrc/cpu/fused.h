@@ -780,6 +780,25 @@ ATEN_OVERRIDE_INLINE void gemm_add(
   }
 }
 
+// out[r * cols + c] = sum over s < slabs of part[(s * rows + r) * ld + c], the slabs added in order, for
+// r < rows, c < cols: the fixed number of grad_weight partial sums of a kernel, added row by row (a
+// contiguous row of each slab at a time; summing the slabs of one element at a time read `slabs`
+// streams a partial apart: 17% of pointwise-bf16's time on ResNet-50's 1024->256 layer at 14x14).
+template <typename acc_t, typename out_t>
+void sum_slabs(const acc_t* part, int64_t slabs, int64_t rows, int64_t cols, int64_t ld, out_t* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> row(cols);
+    for (int64_t r = begin; r < end; ++r) {
+      std::copy(part + r * ld, part + r * ld + cols, row.begin());
+      for (int64_t s = 1; s < slabs; ++s) {
+        const acc_t* p = part + (s * rows + r) * ld;
+        for (int64_t c = 0; c < cols; ++c) row[c] += p[c];
+      }
+      for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = static_cast<out_t>(row[c]);
+    }
+  });
+}
+
 // Rows<V> and Cols<V> of Vec (wide) or VecPair.
 template <typename acc_t>
 int rows_of(bool wide) {

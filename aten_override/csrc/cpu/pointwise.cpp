@@ -257,17 +257,7 @@ void pointwise_backward_typed(
   });
   if (gw) {
     // The slabs' partials added in slab order.
-    acc_t* out = gw->mutable_data_ptr<acc_t>();
-    const int64_t size = c_out * ci_pad;
-    at::parallel_for(0, c_out, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t co = begin; co < end; ++co) {
-        for (int64_t c = 0; c < c_in; ++c) {
-          acc_t sum = part_d[co * ci_pad + c];
-          for (int64_t s = 1; s < slabs; ++s) sum += part_d[s * size + co * ci_pad + c];
-          out[co * c_in + c] = sum;
-        }
-      }
-    });
+    fused::sum_slabs(part_d, slabs, c_out, c_in, ci_pad, gw->mutable_data_ptr<acc_t>());
   }
 }
 

@@ -141,6 +141,14 @@ template <int R, int NV>
 ATEN_OVERRIDE_AVX512_BF16 ATEN_OVERRIDE_INLINE void dot_tile(
     const BF16* a, int64_t a_row, int64_t a_k, const Pair* b, int64_t ldb, int64_t k, float* c, int64_t ldc,
     bool accumulate) {
+  if (accumulate) {
+    // c's tile is read back at the end of each block: ask for it now (a slab's partial may be in L3).
+    ATEN_OVERRIDE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      ATEN_OVERRIDE_UNROLL
+      for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc + v * kLanes), _MM_HINT_T0);
+    }
+  }
   for (int64_t k0 = 0; k0 < k; k0 += kDotBlock) {
     const int64_t k1 = std::min(k, k0 + kDotBlock);
     __m512 acc[R][NV];
@@ -404,17 +412,7 @@ void pointwise_bf16_backward_cpu(
   });
   if (grad_weight) {
     // The slabs' partials added in slab order, rounded once.
-    BF16* out = grad_weight->mutable_data_ptr<BF16>();
-    const int64_t size = c_out * ci_pad;
-    at::parallel_for(0, c_out, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t co = begin; co < end; ++co) {
-        for (int64_t c = 0; c < c_in; ++c) {
-          float sum = part[co * ci_pad + c];
-          for (int64_t s = 1; s < slabs; ++s) sum += part[s * size + co * ci_pad + c];
-          out[co * c_in + c] = BF16(sum);
-        }
-      }
-    });
+    fused::sum_slabs(part, slabs, c_out, c_in, ci_pad, grad_weight->mutable_data_ptr<BF16>());
   }
 }
 
