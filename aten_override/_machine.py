@@ -144,6 +144,11 @@ class Machine:
     """What the compiled kernels' vector code computes in (``_C.vector_type()``): ``"wide"`` (64-byte
     vectors, AVX-512 registers) or ``"pair"`` (two 32-byte AVX2 vectors); ``None`` without the extension."""
 
+    bf16_dot: str | None = None
+    """The bfloat16 dot products pointwise-bf16 runs (``_C.bf16_dot()``): ``"avx512_bf16"`` (the CPU's
+    vdpbf16ps), ``"none"`` (no AVX512_BF16: the kernel declines) or ``"emulated"`` (forced, for tests);
+    ``None`` without the extension."""
+
     def peak(self, dtype: torch.dtype) -> float:
         """Measured FLOP/s for ``dtype``; ``nan`` for a dtype not measured (float16)."""
         return self.peak_flops.get(_dtype_name(dtype), float("nan"))
@@ -176,17 +181,21 @@ def measure(dtypes=PEAK_DTYPES, peak_gflops: float | None = None, bandwidth_gbs:
         peak_flops_source=sources,
         bandwidth_source="given" if bandwidth_gbs else Machine.bandwidth_source,
         probe_flops=probes,
-        vector_type=_vector_type(),
+        vector_type=_extension_says("vector_type"),
+        bf16_dot=_extension_says("bf16_dot"),
     )
 
 
-def _vector_type() -> str | None:
+def _extension_says(name: str) -> str | None:
+    """``_C.<name>()``, or None without the extension."""
     from aten_override.ops.convolution_backward import compiled
 
-    return None if compiled.unavailable_reason() is not None else compiled.extension().vector_type()
+    return None if compiled.unavailable_reason() is not None else getattr(compiled.extension(), name)()
 
 
 _VECTOR_TYPES = {"wide": "wide (64-byte, AVX-512 registers)", "pair": "pair (2 x 32-byte, AVX2 registers)"}
+_BF16_DOTS = {"avx512_bf16": "avx512_bf16 (vdpbf16ps)", "none": "none (no AVX512_BF16: pointwise-bf16 declines)",
+              "emulated": "emulated (forced)"}
 
 
 def header(machine: Machine) -> str:
@@ -202,7 +211,8 @@ def header(machine: Machine) -> str:
             f"cpu: {machine.cpu_model}; flags: {' '.join(machine.isa_flags) or '-'}; "
             f"torch cpu capability: {machine.cpu_capability}",
             f"torch {machine.torch_version}, oneDNN {machine.onednn_version or '-'}, {machine.threads} threads; "
-            f"compiled kernels' vectors: {_VECTOR_TYPES.get(machine.vector_type, 'extension not built')}",
+            f"compiled kernels' vectors: {_VECTOR_TYPES.get(machine.vector_type, 'extension not built')}; "
+            f"bfloat16 dot products: {_BF16_DOTS.get(machine.bf16_dot, 'extension not built')}",
             f"FLOP peak (GFLOP/s, the faster of torch.mm 2048^2 and a 3x3 conv): {peaks}; "
             f"bandwidth {machine.bandwidth / 1e9:.1f} GB/s ({machine.bandwidth_source})",
         ]

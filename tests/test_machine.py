@@ -50,3 +50,15 @@ def test_header_says_what_the_compiled_kernels_vectors_are():
     expected = {"wide": "wide (64-byte, AVX-512 registers)", "pair": "pair (2 x 32-byte, AVX2 registers)",
                 None: "extension not built"}[m.vector_type]
     assert f"compiled kernels' vectors: {expected}" in text
+
+
+def test_header_says_which_bfloat16_dot_products_the_compiled_kernels_run():
+    """Whether pointwise-bf16 ran on the CPU's AVX512_BF16 instruction (or declined for want of it) is
+    part of the machine a bfloat16 benchmark ran on."""
+    from aten_override.ops.convolution_backward import compiled
+
+    m = _machine.measure(peak_gflops=100, bandwidth_gbs=20)
+    assert m.bf16_dot == (None if compiled.unavailable_reason() else compiled.extension().bf16_dot())
+    expected = {"avx512_bf16": "avx512_bf16 (vdpbf16ps)", "none": "none (no AVX512_BF16: pointwise-bf16 declines)",
+                None: "extension not built"}[m.bf16_dot]
+    assert f"bfloat16 dot products: {expected}" in _machine.header(m)
