@@ -1167,6 +1167,13 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
       const bool gemm = k == Kernel::GemmIm2col || k == Kernel::GemmKn2row;
       const bool winograd = k == Kernel::Winograd;
       if (cpu && !gemm && a.output_mask[0] && !all_finite(a.weight)) return std::nullopt;
+      // The kn2row kernels form only the products of positions where a tap meets the input: an inf / NaN
+      // in grad_output at an output position that only padding meets (native: inf x 0 = NaN in that
+      // tap's grad_weight) would vanish from grad_weight, so such calls get native's result.
+      if (cpu && a.output_mask[1] && (k == Kernel::Kn2rowLanes || k == Kernel::GemmKn2row) &&
+          !all_finite(a.grad_output)) {
+        return std::nullopt;
+      }
       auto result = winograd                  ? winograd_backward(a, e)
           : k == Kernel::GroupedLanes         ? grouped_lanes_backward(a, e)
           : k == Kernel::PointwiseFused       ? pointwise_fused_backward(a, e)

@@ -858,6 +858,35 @@ def test_depthwise_bands_are_deterministic():
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)) and torch.equal(b.view(torch.int32), c.view(torch.int32))
 
 
+@pytest.mark.parametrize("kernel", ["kn2row-lanes", "gemm-kn2row"])
+@pytest.mark.parametrize("stride", [1, 4])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kn2row_kernels_keep_a_non_finite_grad_output_where_only_padding_meets_it(kernel, stride, bad, dtype):
+    """The kn2row kernels form only the products of positions where a tap meets the input. An inf or NaN
+    in grad_output at an output position that only padding meets gives native NaN in grad_weight
+    (inf x 0); it used to vanish from ours (found by a fresh-user review: under enable("compiled") an inf
+    in a bias-free layer's incoming gradient disappeared from the whole backward). Such calls decline,
+    and native's result serves; finite ones are still computed."""
+    ext = compiled.extension()
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 4, 6, generator=g, dtype=dtype), torch.randn(4, 4, 7, generator=g, dtype=dtype)
+    go = torch.randn(torch.nn.functional.conv1d(x, w, stride=stride, padding=9).shape, generator=g, dtype=dtype)
+    args = [go, x, w, None, [stride], [9], [1], False, [0], 1, [True, True, False]]
+    try:
+        assert ext.run_kernel(kernel, *args) is not None
+    except ValueError as e:  # gemm-kn2row: stride 1 only
+        pytest.skip(str(e))
+    go = go.clone()
+    go[1, 2, 0] = bad  # output position 0 reads input positions -9..-3: padding only
+    args[0] = go
+    native = call_native(args)
+    assert native[1].isnan().any()
+    ours = ext.run_kernel(kernel, *args)
+    assert ours is None or torch.equal(ours[1].isnan(), native[1].isnan())
+    assert ext.run_kernel(kernel, *(*args[:-1], [True, False, False])) is not None  # grad_input: no dead products
+
+
 def test_kn2row_lanes_declines_what_it_does_not_compute_and_says_why():
     ext = compiled.extension()
     for call, why in [("depthwise 1-D k31 (Conformer)", "one input channel per group"),
