@@ -780,6 +780,16 @@ ATEN_OVERRIDE_INLINE void gemm_add(
   }
 }
 
+// Partial grad_weight sums ("slabs") of a kernel that splits its `tasks` tasks, in order, among them:
+// at most kMaxSlabs, and fewer where they would take more than kSlabBytes (`slab_bytes` each; 0: no
+// grad_weight). A number fixed by the problem, not the thread count, so the bits are the same for any.
+constexpr int64_t kMaxSlabs = 32;
+constexpr int64_t kSlabBytes = int64_t{8} << 20;
+inline int64_t slab_count(int64_t tasks, int64_t slab_bytes) {
+  const int64_t cap = slab_bytes > 0 ? std::max<int64_t>(1, kSlabBytes / slab_bytes) : kMaxSlabs;
+  return std::min({kMaxSlabs, tasks, cap});
+}
+
 // out[r * cols + c] = sum over s < slabs of part[(s * rows + r) * ld + c], the slabs added in order, for
 // r < rows, c < cols: the fixed number of grad_weight partial sums of a kernel, added row by row (a
 // contiguous row of each slab at a time; summing the slabs of one element at a time read `slabs`

@@ -22,7 +22,7 @@
 // totals (within twice native's error; one running sum was 4-7x native's on long sums).
 // The chunk's grad_output is read from memory once and serves both gradients from the cache.
 //
-// Threads and bits: the (sample, chunk) tasks are split into at most kMaxSlabs slabs, a number that
+// Threads and bits: the (sample, chunk) tasks are split into at most fused::kMaxSlabs slabs, a number that
 // does not depend on the thread count; each slab sums its chunks' grad_weight into its own partial,
 // and the partials are added in slab order. grad_input's elements are each written by one task. So
 // any thread count gives the same bits, run to run, on one machine (the chunk size follows its L2).
@@ -48,10 +48,6 @@ using fused::VecPair;
 // (up to 128 in one pass: MobileNetV2's and EfficientNet's expand layers); grad_weight's positions:
 // fused::kGemmBlock.
 constexpr int64_t kGiBlock = 128;
-// Partial grad_weight sums: at most this many (fixed, so the bits do not depend on the thread count),
-// and fewer where they would take more than kSlabBytes.
-constexpr int64_t kMaxSlabs = 32;
-constexpr int64_t kSlabBytes = int64_t{8} << 20;
 
 // grad_input[i * ld_gi + p] = sum_co wp[co * Rows<V> + i] * go[co * ld_go + p] for i < rows and the
 // NV vectors of positions from p = 0. The sum runs over blocks of kGiBlock channels in registers, each
@@ -221,8 +217,7 @@ void pointwise_backward_typed(
     }
   }
   const int64_t ci_pad = fused::round_up<acc_t>(c_in);
-  const int64_t slab_cap = gw ? std::max<int64_t>(1, kSlabBytes / (c_out * ci_pad * int64_t(sizeof(acc_t)))) : kMaxSlabs;
-  const int64_t slabs = std::min({kMaxSlabs, tasks, slab_cap});
+  const int64_t slabs = fused::slab_count(tasks, gw ? c_out * ci_pad * int64_t(sizeof(acc_t)) : 0);
   at::Tensor partial = gw ? at::zeros({slabs, c_out, ci_pad}, go.options()) : at::Tensor();
   std::vector<int64_t> index(per_chunk);
   for (int64_t i = 0; i < per_chunk; ++i) index[i] = i;

@@ -51,10 +51,6 @@ constexpr int kCols = 3;        // ... x vectors of c: 24 accumulators, 3 loads 
 constexpr int64_t kStep = kCols * kLanes;
 // Pairs summed in registers before the sum is added to the stored float32 total (256 products).
 constexpr int64_t kDotBlock = 128;
-// grad_weight partials: at most this many (fixed, so the bits do not depend on the thread count), and
-// fewer where they would take more than kSlabBytes (pointwise-fused's bounds).
-constexpr int64_t kMaxSlabs = 32;
-constexpr int64_t kSlabBytes = int64_t{8} << 20;
 
 // -1: the CPU's; 0: emulated; 1: the instruction (set_bf16_dot).
 std::atomic<int> forced_dot{-1};
@@ -342,15 +338,10 @@ void set_bf16_dot(std::optional<bool> hardware) {
 }
 
 std::optional<std::string> pointwise_bf16_unsupported(const DirectProblem& p, at::ScalarType dtype) {
-  if (p.groups != 1) return "grouped (groups > 1)";
-  for (int i = 0; i < 3; ++i) {
-    if (p.kernel[i] != 1 || p.stride[i] != 1 || p.padding[i] != 0) return "not 1x1 with stride 1 and no padding";
-  }
+  // The layers pointwise-fused computes (grouped, not 1x1 stride 1 unpadded, empty: its reasons).
+  if (auto why = pointwise_unsupported(p, at::kFloat)) return why;
   if (dtype != at::kBFloat16) return "not bfloat16 (pointwise-fused computes float32 / float64)";
   if (std::strcmp(bf16_dot(), "none") == 0) return "this CPU has no AVX512_BF16 dot products (vdpbf16ps)";
-  if (p.batch == 0 || p.in_per_group == 0 || p.out_per_group == 0 || p.in[0] * p.in[1] * p.in[2] == 0) {
-    return "empty";
-  }
   return std::nullopt;
 }
 
@@ -375,9 +366,7 @@ void pointwise_bf16_backward_cpu(
       }
     }
   }
-  const int64_t slab_cap =
-      grad_weight ? std::max<int64_t>(1, kSlabBytes / (c_out * ci_pad * int64_t(sizeof(float)))) : kMaxSlabs;
-  const int64_t slabs = std::min({kMaxSlabs, tasks, slab_cap});
+  const int64_t slabs = fused::slab_count(tasks, grad_weight ? c_out * ci_pad * int64_t(sizeof(float)) : 0);
   at::Tensor partial = grad_weight ? at::zeros({slabs, c_out, ci_pad}, grad_output.options().dtype(at::kFloat))
                                    : at::Tensor();
   const BF16* go = grad_output.const_data_ptr<BF16>();
