@@ -15,7 +15,7 @@ child, so a segfault does not end the sweep. Per call it records:
 - which condition our backends use to avoid native's oneDNN path holds: a dead tap
   (``args.dead_taps``), a transposed layer of input width 1 (``args.width_one_transposed``; these
   two make ``args.onednn_defect``, bfloat16 / float16 only), or a 3-D transposed layer with no
-  full input row in depth (``args.depth_without_full_row``, any dtype).
+  row meeting the whole kernel in depth (``args.depth_without_full_row``, any dtype).
 
 Each defective call is then run on our backends (``--backends``; also in forked children): no
 crash, bit-for-bit repeatable, within ``tol`` of float64, native's dtype, shape and strides where

@@ -169,10 +169,11 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "layers with a dim shorter than the dilated kernel (parts of both gradients unwritten, heap "
      "corruption). Computed in float32 (correct there) by the compiled backend's own choice for the float32 "
      "call (native, or a kernel measured faster: gemm-kn2row on R(2+1)D's 3x1x1 layers) and rounded once, "
-     "into native's layout. Also 3-D transposed layers on oneDNN, any "
-     "dtype but float64, with padding > stride in depth and no input position there meeting the whole kernel: "
-     "oneDNN's float32 grad_weight was wrong or corrupted the heap on some; computed in float64 the same way "
-     "(no oneDNN there)"},
+     "into native's layout. Also 3-D layers on oneDNN, any dtype but float64, with padding > stride in depth "
+     "and no row there meeting the whole kernel (transposed: no input position writing inside the output; "
+     "regular: no output position reading inside the input, e.g. depth 3, kernel 9, stride 4, padding 7): "
+     "oneDNN's float32 gradients were wrong, hung or corrupted the heap on some; computed in float64 the "
+     "same way (no oneDNN there)"},
     {"grouped-lanes", "direct",
      "float32 / float64 / bfloat16, 1 < groups, 2 to 64 channels per group on each side, (C_in / groups) * "
      "(C_out / groups) > 64, some stride > 1, at least 2^20 grad_output elements, each group's tiles within "
@@ -604,17 +605,21 @@ bool width_one_transposed(const Args& a) {
   return a.input.size(last) == 1 && a.weight.size(last) > 1 && positions > 1;
 }
 
-// Whether a 3-D transposed layer has padding > stride in its depth dim and no input position there
-// whose kernel taps all land inside the output (input i writes output i*s - p + j*d): where 2.13's
-// oneDNN float32 path has computed a wrong grad_weight or corrupted the heap. Mirrors
+// Whether a 3-D layer has padding > stride in its depth dim and no row there that meets the whole
+// kernel: transposed, no input i whose taps all land inside the output (input i writes output
+// i*s - p + j*d); regular, no output o whose taps all read inside the input (output o reads input
+// o*s - p + j*d). Where 2.13's oneDNN float32 path has computed wrong gradients, hung, or corrupted
+// the heap (regular: e.g. input (2, 16, 3, 1, 1), kernel (9, 1, 1), stride 4, padding 7). Mirrors
 // args.depth_without_full_row.
 bool depth_without_full_row(const Args& a, const Expanded& e) {
-  if (!a.transposed || e.dims != 3) return false;
-  const int64_t size_in = a.input.size(2), size_out = a.grad_output.size(2), k = a.weight.size(2);
-  const int64_t s = e.stride[0], p = e.padding[0], d = e.dilation[0];
+  if (e.dims != 3) return false;
+  const int64_t s = e.stride[0], p = e.padding[0], d = e.dilation[0], k = a.weight.size(2);
   if (p <= s) return false;
-  for (int64_t i = 0; i < size_in; ++i) {
-    if (i * s - p >= 0 && i * s - p + (k - 1) * d < size_out) return false;
+  // the strided side's positions t cover t*s - p + j*d on the other side
+  const int64_t strided = a.transposed ? a.input.size(2) : a.grad_output.size(2);
+  const int64_t other = a.transposed ? a.grad_output.size(2) : a.input.size(2);
+  for (int64_t t = 0; t < strided; ++t) {
+    if (t * s - p >= 0 && t * s - p + (k - 1) * d < other) return false;
   }
   return true;
 }

@@ -29,8 +29,8 @@ def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_siz
     stride 2, padding [1, 1, 1], dilation [2, 2, 2], output_mask [True, False, False]``; on transposed
     layers of input width 1 under a wider kernel (:func:`width_one_transposed`, e.g. ``input
     (2, 16, 8, 1) bf16``, kernel 3x3, stride 2) it leaves most of bfloat16 ``grad_input`` unwritten.
-    3-D transposed layers with padding > stride in depth and no full input row there
-    (:func:`depth_without_full_row`) get a wrong ``grad_weight`` or a corrupted heap in every dtype
+    3-D layers with padding > stride in depth and no row there meeting the whole kernel
+    (:func:`depth_without_full_row`) get wrong gradients, a hang or a corrupted heap in every dtype
     but float64; regular padded 3-D bfloat16 layers with a dim shorter than the kernel (``args.padded_3d``) get unwritten outputs, and a
     corrupted heap has aborted a test process after one. A crash or garbage cannot be compared against, so the fuzzer draws these calls in
     float32, or float64 where float32 is affected too.
@@ -41,8 +41,8 @@ def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_siz
         return None
     if depth_without_full_row(transposed=transposed, input_size=input_size, grad_output_size=grad_output_size,
                               kernel=kernel, stride=stride, padding=padding, dilation=dilation):
-        return ("the original CPU kernel computes a wrong grad_weight or corrupts the heap on 3-D transposed layers "
-                "with padding > stride in depth and no full input row there (oneDNN, torch 2.13)")
+        return ("the original CPU kernel computes wrong gradients, hangs or corrupts the heap on 3-D layers with "
+                "padding > stride in depth and no row there meeting the whole kernel (oneDNN, torch 2.13)")
     if dtype not in (torch.float16, torch.bfloat16):
         return None
     if any(dead_taps(transposed=transposed, input_size=input_size, grad_output_size=grad_output_size, kernel=kernel,

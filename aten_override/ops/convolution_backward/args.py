@@ -153,18 +153,25 @@ def width_one_transposed(*, transposed: bool, input_size, kernel) -> bool:
 
 def depth_without_full_row(*, transposed: bool, input_size, grad_output_size, kernel, stride, padding,
                            dilation) -> bool:
-    """Whether a 3-D transposed layer has padding > stride in its depth dim (the first spatial dim)
-    and no input position there whose kernel taps all land inside the output: input ``i`` writes
-    output ``i*s - p + j*d``. Sizes are spatial. Covers every call found
-    (scripts/sweep_native_defects.py) where torch 2.13's oneDNN float32 path computes a wrong
-    ``grad_weight`` or corrupts the heap (SIGSEGV / SIGABRT), e.g. ``input (2, 16, 3, 1, 1)``,
-    ``kernel (4, 1, 1)``, stride 2, padding (3, 0, 0); it is wider than that set (most such layers
-    are right). Mirrors ``depth_without_full_row`` in csrc/convolution_backward.cpp.
+    """Whether a 3-D layer has padding > stride in its depth dim (the first spatial dim) and no row
+    there that meets the whole kernel: transposed, no input ``i`` whose taps all land inside the
+    output (input ``i`` writes output ``i*s - p + j*d``); regular, no output ``o`` whose taps all read
+    inside the input (output ``o`` reads input ``o*s - p + j*d``). Sizes are spatial. Covers every
+    call found (scripts/sweep_native_defects.py, and a sweep of regular 3-D layers with long depth
+    kernels: 14 of 55 such strided calls defective, none of 200 others) where torch 2.13's oneDNN
+    float32 path computes wrong gradients, hangs, or corrupts the heap (SIGSEGV / SIGABRT), e.g.
+    transposed ``input (2, 16, 3, 1, 1)``, ``kernel (4, 1, 1)``, stride 2, padding (3, 0, 0), or
+    regular ``input (2, 16, 3, 1, 1)``, ``kernel (9, 1, 1)``, stride 4, padding (7, 0, 0); it is wider
+    than that set (most such layers are right; long kernels in height or width were right). Mirrors
+    ``depth_without_full_row`` in csrc/convolution_backward.cpp.
     """
-    if not transposed or len(input_size) != 3:
+    if len(input_size) != 3:
         return False
     size_in, size_out, k, s, p, d = (v[0] for v in (input_size, grad_output_size, kernel, stride, padding, dilation))
-    return p > s and not any(i * s - p >= 0 and i * s - p + (k - 1) * d < size_out for i in range(size_in))
+    if p <= s:
+        return False
+    strided, other = (size_in, size_out) if transposed else (size_out, size_in)
+    return not any(t * s - p >= 0 and t * s - p + (k - 1) * d < other for t in range(strided))
 
 
 def padded_3d(args: ConvolutionBackwardArgs) -> bool:

@@ -71,10 +71,11 @@ dead-taps            upcast   bfloat16/float16 where native picks oneDNN and a k
                               kernel (parts of both gradients left unwritten, heap corruption); computed in float32 by the compiled
                               backend's own choice for the float32 call (native, or a kernel that
                               measured faster: gemm-kn2row on R(2+1)D's 3x1x1 layers), rounded once.
-                              Also 3-D transposed layers (any dtype but float64) with padding > stride
-                              in depth and no input position there that meets the whole kernel:
-                              oneDNN's float32 grad_weight is wrong or corrupts the heap on some;
-                              computed in float64 the same way
+                              Also 3-D layers (any dtype but float64) with padding > stride in depth
+                              and no row there that meets the whole kernel (transposed: no input
+                              position writing inside the output; regular: no output position reading
+                              inside the input): oneDNN's float32 gradients are wrong, hang or corrupt
+                              the heap on some; computed in float64 the same way
                               (tests/ops/convolution_backward/test_native_defects.py)
 grouped-lanes        direct   float32/float64/bfloat16, more than 64 channel pairs per group, 2 to 64
                               channels on each side, some stride > 1, at least 2^20 grad_output

@@ -15,6 +15,12 @@ Found by sweeping 1-D/2-D/3-D, regular/transposed, float32/bfloat16/float16 over
 kernels, strides, paddings and dilations (each call in a forked child): every wrong or crashing
 call had a dead tap, float32 none. The compiled backend serves these calls in its ``dead-taps``
 class (native in float32, rounded once); the python backend never calls the original kernel.
+
+And 3-D layers, float32 too, with padding > stride in depth and no row there that meets the whole
+kernel (``args.depth_without_full_row``): oneDNN's gradients are wrong, and on some it segfaults,
+aborts on a corrupted heap, or hangs. Transposed ones were found by the sweep; regular ones (e.g.
+depth 3 under a kernel of 9, stride 4, padding 7) by a sweep of long depth kernels. Computed in
+float64, where native has no oneDNN path.
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ CRASH = {
     "f16-1d-t-k1-s2-p1-d2": ("float16", 1, True, 2, 1, 2, 1, 2),
     "f16-1d-t-k2-s2-p3-d2": ("float16", 1, True, 3, 2, 2, 3, 2),
     "bf16-3d-t-k3-s2-p3-d2": ("bfloat16", 3, True, 2, 3, 2, 3, 2),
+    # regular float32, depth 5 under a kernel of 9, stride 2, padding 5: no output row reads only the
+    # input (args.depth_without_full_row); SIGSEGV 3 times in 3 (similar layers: SIGABRT or a hang)
+    "f32-3d-k9x1x1-s2-p5x0x0": ("float32", 3, False, (5, 2, 1), (9, 1, 1), (2, 1, 1), (5, 0, 0), 1),
 }
 
 
@@ -165,12 +174,16 @@ def test_bfloat16_grad_input_of_transposed_width_one_is_repeatable(name, backend
     _check_repeatable_and_right(args, backend)
 
 
-# (input size, kernel, stride, padding), float32 3-D transposed on oneDNN, no dead tap: native's
-# grad_weight is wrong, and on similar layers (input (2, 16, 3, 1, 1), kernel (4, 1, 1)) it corrupts the
-# heap (SIGSEGV, SIGABRT: a varying failure, so no crash case runs native)
+# (transposed, input size, kernel, stride, padding), float32 3-D on oneDNN, no dead tap: native's
+# gradients are wrong (regular: garbage, 1e30 where the heap held it), and on similar layers (input
+# (2, 16, 3, 1, 1), kernel (4, 1, 1) transposed or (9, 1, 1) regular) it corrupts the heap or hangs
+# (SIGSEGV, SIGABRT, a minute and more: a varying failure, so these cases never run native)
 DEPTH = {
-    "f32-3d-t-4x1x1-k4x1x1-s2-p3x0x0": ((4, 1, 1), (4, 1, 1), (2, 1, 1), (3, 0, 0)),
-    "f32-3d-t-4x2x2-k5x1x1-s2-p3x0x0": ((4, 2, 2), (5, 1, 1), (2, 1, 1), (3, 0, 0)),
+    "f32-3d-t-4x1x1-k4x1x1-s2-p3x0x0": (True, (4, 1, 1), (4, 1, 1), (2, 1, 1), (3, 0, 0)),
+    "f32-3d-t-4x2x2-k5x1x1-s2-p3x0x0": (True, (4, 2, 2), (5, 1, 1), (2, 1, 1), (3, 0, 0)),
+    "f32-3d-4x1x1-k4x1x1-s2-p3x0x0": (False, (4, 1, 1), (4, 1, 1), (2, 1, 1), (3, 0, 0)),
+    "f32-3d-5x1x1-k6x1x1-s4-p5x0x0": (False, (5, 1, 1), (6, 1, 1), (4, 1, 1), (5, 0, 0)),
+    "f32-3d-6x3x3-k9x3x3-s2-p7x1x1": (False, (6, 3, 3), (9, 3, 3), (2, 1, 1), (7, 1, 1)),
 }
 
 
@@ -186,14 +199,26 @@ def test_depth_without_full_row_predicate():
     # padding <= stride: right (a 3-D decoder's kernel 4, stride 2, padding 1 on depth 2: i=1 writes 1..4)
     assert not depth_without_full_row(transposed=True, input_size=[2, 8, 8], grad_output_size=[4, 16, 16],
                                       kernel=[4, 4, 4], stride=[2, 2, 2], padding=[1, 1, 1], dilation=[1, 1, 1])
+    # regular: output o reads input 2o - 3 + j, input size 4, kernel 4: o=0 -> -3..0, o=1 -> -1..2,
+    # o=2 -> 1..4, o=3 -> 3..6; none inside
+    regular = dict(transposed=False, grad_output_size=[4, 1, 1], kernel=[4, 1, 1], stride=[2, 1, 1],
+                   padding=[3, 0, 0], dilation=[1, 1, 1])
+    assert depth_without_full_row(input_size=[4, 1, 1], **regular)
+    assert not depth_without_full_row(input_size=[5, 1, 1], **regular)  # o=2 reads 1..4, all inside
+    # a long kernel in height (right: only depth is affected) and an unpadded one (right)
+    assert not depth_without_full_row(transposed=False, input_size=[1, 4, 1], grad_output_size=[1, 4, 1],
+                                      kernel=[1, 4, 1], stride=[1, 2, 1], padding=[0, 3, 0], dilation=[1, 1, 1])
+    assert not depth_without_full_row(transposed=False, input_size=[3, 1, 1], grad_output_size=[1, 1, 1],
+                                      kernel=[3, 1, 1], stride=[4, 1, 1], padding=[0, 0, 0], dilation=[1, 1, 1])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(DEPTH))
-def test_float32_grad_weight_of_transposed_depth_without_full_row_is_right(name, backend):
-    args = make_call(torch.float32, 3, True, *DEPTH[name], 1)
+def test_float32_gradients_of_depth_without_full_row_are_right(name, backend):
+    transposed, *geometry = DEPTH[name]
+    args = make_call(torch.float32, 3, transposed, *geometry, 1)
     go, x, w, _, stride, padding, dilation, *_ = args
-    sizes = dict(transposed=True, input_size=list(x.shape[2:]), grad_output_size=list(go.shape[2:]),
+    sizes = dict(transposed=transposed, input_size=list(x.shape[2:]), grad_output_size=list(go.shape[2:]),
                  kernel=list(w.shape[2:]), stride=stride, padding=padding, dilation=dilation)
     assert not any(dead_taps(**sizes)) and depth_without_full_row(**sizes)
     _check_repeatable_and_right(args, backend, native_layout=False)  # contiguous: native's layout too
