@@ -169,8 +169,7 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "layers with a dim shorter than the dilated kernel (parts of both gradients unwritten, heap "
      "corruption). Computed in float32 (correct there) by the compiled backend's own choice for the float32 "
      "call (native, or a kernel measured faster: gemm-kn2row on R(2+1)D's 3x1x1 layers) and rounded once, "
-     "into native's layout; whatever layer class would otherwise serve the call (the autotuner's reference "
-     "and a declining kernel's fallback run native). Also 3-D layers on oneDNN, any dtype but float64, with padding > stride in depth "
+     "into native's layout. Also 3-D layers on oneDNN, any dtype but float64, with padding > stride in depth "
      "and no row there meeting the whole kernel (transposed: no input position writing inside the output; "
      "regular: no output position reading inside the input, e.g. depth 3, kernel 9, stride 4, padding 7): "
      "oneDNN's float32 gradients were wrong, hung or corrupted the heap on some; computed in float64 the "
@@ -647,14 +646,12 @@ bool onednn_defect(const Args& a, const Expanded& e) {
   return has_dead_tap(a, e) || padded_3d(a, e) || width_one_transposed(a);
 }
 
-// The class of a call: its layer class, unless native's path for it is known to be wrong there (the
-// dead-taps class). That holds for every class that may run native: not only those native serves,
-// but those our kernels serve too, where the autotuner runs native as its reference and a kernel
-// that declines a call (e.g. a non-finite grad_weight) hands it to native (one-channel and
-// grouped-gemm layers crashed the process both ways). Only the empty and bias-only classes never do.
+// The class of a call: its layer class, unless native would serve it on a path known to be wrong
+// there (the dead-taps class).
 LayerClass classify(const Args& a, const Expanded& e) {
   const LayerClass cls = classify_layer(a, e);
-  const bool native = cls != LayerClass::Empty && cls != LayerClass::BiasOnly;
+  const bool native = cls == LayerClass::Dense || cls == LayerClass::Transposed || cls == LayerClass::SmallPlanes ||
+      cls == LayerClass::Kn2row;
   const auto dtype = a.grad_output.scalar_type();
   const bool reduced = dtype == at::kBFloat16 || dtype == at::kHalf;
   if (native && a.grad_output.is_cpu() && dtype != at::kDouble &&

@@ -75,10 +75,7 @@ dead-taps            upcast   bfloat16/float16 where native picks oneDNN and a k
                               and no row there that meets the whole kernel (transposed: no input
                               position writing inside the output; regular: no output position reading
                               inside the input): oneDNN's float32 gradients are wrong, hang or corrupt
-                              the heap on some; computed in float64 the same way. Whatever layer
-                              class would otherwise serve these calls (one-channel, grouped-gemm,
-                              depthwise...): its autotuner reference and its kernels' fallback are
-                              native
+                              the heap on some; computed in float64 the same way
                               (tests/ops/convolution_backward/test_native_defects.py)
 grouped-lanes        direct   float32/float64/bfloat16, more than 64 channel pairs per group, 2 to 64
                               channels on each side, some stride > 1, at least 2^20 grad_output
