@@ -646,22 +646,28 @@ bool onednn_defect(const Args& a, const Expanded& e) {
   return has_dead_tap(a, e) || padded_3d(a, e) || width_one_transposed(a);
 }
 
+// Whether native would serve the call on a oneDNN path known to be wrong there, or to crash: a CPU
+// float32 call whose depth has no full row, or a bfloat16 / float16 one with a oneDNN defect, that
+// native hands to oneDNN. The backend is asked only where a predicate holds.
+bool native_defective(const Args& a, const Expanded& e) {
+  const auto dtype = a.grad_output.scalar_type();
+  const bool reduced = dtype == at::kBFloat16 || dtype == at::kHalf;
+  if (!a.grad_output.is_cpu() || dtype == at::kDouble ||
+      !((reduced && onednn_defect(a, e)) || depth_without_full_row(a, e))) {
+    return false;
+  }
+  const auto backend = native_backend(a);
+  return backend == at::native::ConvBackend::Mkldnn || backend == at::native::ConvBackend::MkldnnTranspose;
+}
+
 // The class of a call: its layer class, unless native would serve it on a path known to be wrong
-// there (the dead-taps class).
+// there (the dead-taps class). A class of our own kernels keeps its class on such a call; native's
+// stand-in there (the autotuner's reference, a declining kernel's fallback) is reference_kernel's.
 LayerClass classify(const Args& a, const Expanded& e) {
   const LayerClass cls = classify_layer(a, e);
   const bool native = cls == LayerClass::Dense || cls == LayerClass::Transposed || cls == LayerClass::SmallPlanes ||
       cls == LayerClass::Kn2row;
-  const auto dtype = a.grad_output.scalar_type();
-  const bool reduced = dtype == at::kBFloat16 || dtype == at::kHalf;
-  if (native && a.grad_output.is_cpu() && dtype != at::kDouble &&
-      ((reduced && onednn_defect(a, e)) || depth_without_full_row(a, e))) {
-    const auto backend = native_backend(a);
-    if (backend == at::native::ConvBackend::Mkldnn || backend == at::native::ConvBackend::MkldnnTranspose) {
-      return LayerClass::DeadTaps;
-    }
-  }
-  return cls;
+  return native && native_defective(a, e) ? LayerClass::DeadTaps : cls;
 }
 
 // --- kernels ------------------------------------------------------------------------------------
@@ -1040,8 +1046,16 @@ std::optional<Choice> parse_choice(const std::string& name) {
   return Choice{*gi, *gw};
 }
 
-// The static choice of a layer class.
-Kernel static_kernel(LayerClass cls, const Args& a, const Expanded& e) {
+// What stands for native on a call: native, or where native_defective holds the dead-taps class's
+// upcast (native there segfaults, corrupts the heap or hangs: e.g. a one-channel float32
+// Conv3d(1, 16, (9, 1, 1), stride (2, 1, 1), padding (5, 0, 0)) on a depth of 5). The autotuner's
+// reference, its baseline and a declining kernel's fallback all run this kernel.
+Kernel reference_kernel(const Args& a, const Expanded& e) {
+  return native_defective(a, e) ? Kernel::Upcast : Kernel::Native;
+}
+
+// The table's kernel for a layer class, before reference_kernel stands in for native.
+Kernel table_kernel(LayerClass cls, const Args& a, const Expanded& e) {
   switch (cls) {
     case LayerClass::Empty: return Kernel::Zeros;
     case LayerClass::BiasOnly: return Kernel::Sum;
@@ -1066,6 +1080,12 @@ Kernel static_kernel(LayerClass cls, const Args& a, const Expanded& e) {
     case LayerClass::Count: break;
   }
   TORCH_INTERNAL_ASSERT(false, "convolution_backward[compiled]: unhandled layer class ", static_cast<int>(cls));
+}
+
+// The static choice of a layer class.
+Kernel static_kernel(LayerClass cls, const Args& a, const Expanded& e) {
+  const Kernel k = table_kernel(cls, a, e);
+  return k == Kernel::Native ? reference_kernel(a, e) : k;
 }
 
 // The autotuner's tests inject a candidate: Slow (native's result, then as long again busy), Wrong
@@ -1202,7 +1222,7 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
                       a.output_mask[2] ? at::zeros({e.c_out}, a.weight.options()) : at::Tensor()};
       }
       const auto start = std::chrono::steady_clock::now();
-      auto result = run_kernel(Kernel::Native, a, e);
+      auto result = run_kernel(reference_kernel(a, e), a, e);
       const auto spent = std::chrono::steady_clock::now() - start;
       while (std::chrono::steady_clock::now() - start < 2 * spent) {
       }
@@ -1283,7 +1303,10 @@ struct Autotuner {
   std::atomic<bool> enabled{true};
   std::shared_mutex table_mutex;
   std::unordered_map<Signature, Tuned, SignatureHash> table;
-  std::mutex tuning_mutex;  // one tuning at a time: concurrent first calls tune once, timings undisturbed
+  // One tuning at a time: concurrent first calls tune once, timings undisturbed. Recursive: where
+  // native is known to crash, a tuning's reference is the upcast (reference_kernel), whose float64
+  // copy is served, and tuned, by this thread inside the outer tuning.
+  std::recursive_mutex tuning_mutex;
   std::atomic<int64_t> tunings{0};
   std::atomic<int64_t> tune_us_total{0};
 };
@@ -1419,23 +1442,25 @@ void tune_split(
 
 Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
   const auto start = std::chrono::steady_clock::now();
-  std::vector<Kernel> candidates{Kernel::Native};
+  // native, or its stand-in where native is known to crash (reference_kernel): candidates[0]
+  const Kernel base = reference_kernel(a, e);
+  std::vector<Kernel> candidates{base};
   Tuned out;
   for (int k = 0; k < static_cast<int>(Kernel::Count); ++k) {
     const Kernel kernel = static_cast<Kernel>(k);
-    if (kernel == Kernel::Native) continue;
+    if (kernel == Kernel::Native || kernel == base) continue;
     // the table's choice always competes
     if (kernel == static_choice || !candidate_unsupported(kernel, a, e)) candidates.push_back(kernel);
   }
   std::vector<std::vector<double>> times(candidates.size());
   std::vector<bool> alive(candidates.size(), true);
-  // Native's first run is the reference and is not timed: it pays oneDNN's primitive creation, which
-  // would make a warm native look slow. Native is timed in every round and is never dropped.
-  const Result reference = *run_kernel(Kernel::Native, a, e);
+  // Native's (base's) first run is the reference and is not timed: it pays oneDNN's primitive
+  // creation, which would make a warm native look slow. Base is timed in every round, never dropped.
+  const Result reference = *run_kernel(base, a, e);
   CacheFlush flush(a);
   flush();
   auto t0 = std::chrono::steady_clock::now();
-  run_kernel(Kernel::Native, a, e);
+  run_kernel(base, a, e);
   times[0].push_back(elapsed_us(t0));
   for (size_t i = 1; i < candidates.size(); ++i) {
     const std::string name = kernel_name(candidates[i]);
@@ -1478,8 +1503,8 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
     }
   }
   for (int round = 1; round < kRounds; ++round) timed_round(round);
-  // Native wins unless a candidate beats it by kWinMargin.
-  out.choice = Choice::whole(Kernel::Native);
+  // Native (base) wins unless a candidate beats it by kWinMargin.
+  out.choice = Choice::whole(base);
   double best = fastest_run(0) * kWinMargin;
   for (size_t i = 0; i < candidates.size(); ++i) {
     if (!alive[i]) continue;
@@ -1514,8 +1539,10 @@ std::optional<Choice> tuned_choice(const Signature& key) {
 // names kernels, and one that cannot compute this call (a tampered file) is never run; a split needs
 // a call asking for both gradients.
 Choice usable_choice(Choice tuned, Kernel static_choice, const Args& a, const Expanded& e) {
+  const Kernel reference = reference_kernel(a, e);
   const auto can = [&](Kernel k) {
-    return k == static_choice || k == Kernel::Native || !candidate_unsupported(k, a, e);
+    if (k == Kernel::Native || k == Kernel::Upcast) return k == reference;
+    return k == static_choice || !candidate_unsupported(k, a, e);
   };
   const bool ok = can(tuned.gi) && can(tuned.gw) && (!tuned.split() || (a.output_mask[0] && a.output_mask[1]));
   return ok ? tuned : Choice::whole(static_choice);
@@ -1529,7 +1556,7 @@ Choice choose_kernel(const Args& a, const Expanded& e, LayerClass cls) {
   const Signature key = signature(a);
   const auto usable = [&](Choice c) { return usable_choice(c, static_choice, a, e); };
   if (auto choice = tuned_choice(key)) return usable(*choice);
-  std::lock_guard<std::mutex> tuning(tuner.tuning_mutex);
+  std::lock_guard<std::recursive_mutex> tuning(tuner.tuning_mutex);
   if (auto choice = tuned_choice(key)) return usable(*choice);  // another thread tuned it meanwhile
   Tuned tuned = tune(a, e, static_choice);
   tuner.tunings.fetch_add(1, std::memory_order_relaxed);
@@ -1543,14 +1570,14 @@ Choice choose_kernel(const Args& a, const Expanded& e, LayerClass cls) {
   return choice;
 }
 
-// The choice for a checked call of class `cls` and its result (native's where the choice declines
-// the call's values).
+// The choice for a checked call of class `cls` and its result (reference_kernel's: native's, where the
+// choice declines the call's values).
 std::pair<Choice, Result> choose_and_run(const Args& a, const Expanded& e, LayerClass cls) {
   Choice choice = choose_kernel(a, e, cls);
   auto result = run_choice(choice, a, e);
   if (!result) {
-    choice = Choice::whole(Kernel::Native);
-    result = run_kernel(Kernel::Native, a, e);
+    choice = Choice::whole(reference_kernel(a, e));
+    result = run_kernel(choice.gi, a, e);
   }
   return {choice, std::move(*result)};
 }

@@ -85,7 +85,9 @@ grouped-lanes        direct   float32/float64/bfloat16, more than 64 channel pai
 ==================== ======== =================================================================
 
 "native" is a deliberate choice, not a fallback: the call is counted as served by the compiled
-backend. A *fallback* (:func:`unsupported_reason` is not ``None``: integer / complex dtypes, sparse
+backend. Where native's oneDNN path is known wrong on a call (the dead-taps conditions) that a class
+of our own kernels serves, the class stays, and the upcast stands in for native wherever native would
+run: the autotuner's reference and baseline, and the result of a call a kernel declines. A *fallback* (:func:`unsupported_reason` is not ``None``: integer / complex dtypes, sparse
 layouts, CUDA tensors unless the CUDA kernels are enabled) runs the original kernel with the reason
 recorded in :func:`aten_override.stats`.
 

@@ -224,6 +224,79 @@ def test_float32_gradients_of_depth_without_full_row_are_right(name, backend):
     _check_repeatable_and_right(args, backend, native_layout=False)  # contiguous: native's layout too
 
 
+# Float32 3-D layers of the depth_without_full_row kind that a layer class of our own kernels serves
+# (input size, C_in, C_out, groups; kernel (9, 1, 1), stride (2, 1, 1), padding (5, 0, 0)). They keep
+# their class, but native must never run on them: as the autotuner's reference and baseline, and as
+# the fallback of a kernel that declines a call (an inf in input: a non-finite grad_weight), native's
+# oneDNN path crashed the process (SIGSEGV / SIGABRT, found by a fresh review). reference_kernel()
+# stands in for it there: the dead-taps class's float64 upcast.
+OWN_CLASS = {
+    "one-channel": ((5, 32, 32), 1, 16, 1),
+    "grouped-gemm": ((5, 16, 16), 64, 64, 2),
+    "depthwise": ((5, 8, 8), 16, 16, 16),
+}
+
+_OWN_CLASS_SCRIPT = textwrap.dedent(
+    """
+    import json, torch, aten_override
+    from aten_override.ops.convolution_backward import compiled
+    from tests.ops.convolution_backward.test_native_defects import own_class_call, reference
+    args = own_class_call({name!r}, nonfinite={nonfinite!r})
+    with aten_override.enable("compiled", autotune={autotune!r}):
+        ours = torch.ops.aten.convolution_backward.default(*args)
+    last = compiled.extension().last_call()
+    expected = reference(args)
+    for o, e in zip(ours, expected):
+        assert o.dtype == torch.float32 and o.shape == e.shape and o.stride() == e.stride(), (o.dtype, o.shape)
+        scale = e.nan_to_num(0, 0, 0).abs().max().item()
+        torch.testing.assert_close(o.double(), e, rtol=1e-5, atol=1e-5 * scale, equal_nan=True)
+        assert o.isnan().equal(e.isnan())
+    stats = aten_override.stats()
+    print(json.dumps([stats["compiled_layer_classes"], stats["compiled_kernels"], last["tuned"],
+                      sorted(last["times_us"])]))
+    """
+)
+
+
+def own_class_call(name: str, nonfinite: bool = False) -> tuple:
+    """A call of ``OWN_CLASS[name]``; ``nonfinite``: an inf in input (NaN in some taps of grad_weight)."""
+    size, c_in, c_out, groups = OWN_CLASS[name]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, c_in, *size, generator=g)
+    if nonfinite:
+        x[0, 0, 2, 0, 0] = float("inf")
+    w = torch.randn(c_out, c_in // groups, 9, 1, 1, generator=g)
+    conv = ([2, 1, 1], [5, 0, 0], [1, 1, 1], False, [0, 0, 0], groups)
+    go = torch.randn(torch.ops.aten.convolution(x.double(), w.double(), None, *conv).shape, generator=g)
+    return (go, x, w, [c_out], *conv, [True, True, True])
+
+
+@pytest.mark.parametrize("nonfinite,autotune", [(False, True), (True, False)], ids=["autotuned", "declined"])
+@pytest.mark.parametrize("name", list(OWN_CLASS))
+def test_depth_without_full_row_never_reaches_native_from_our_own_classes(name, nonfinite, autotune):
+    from aten_override.ops.convolution_backward import compiled
+    from aten_override.ops.convolution_backward.args import ConvolutionBackwardArgs
+
+    if compiled.unavailable_reason() is not None:
+        pytest.skip(compiled.unavailable_reason())
+    args = own_class_call(name)
+    go, x, w, _, stride, padding, dilation, *_ = args
+    assert depth_without_full_row(transposed=False, input_size=list(x.shape[2:]), grad_output_size=list(go.shape[2:]),
+                                  kernel=list(w.shape[2:]), stride=stride, padding=padding, dilation=dilation)
+    if not native_picks_onednn(args):
+        pytest.skip(f"native does not take oneDNN for {name} here: its path is not the defective one")
+    assert compiled.layer_class(ConvolutionBackwardArgs(*args)) == name  # the class stays
+    child = _run(_OWN_CLASS_SCRIPT.format(name=name, nonfinite=nonfinite, autotune=autotune))
+    assert child.returncode == 0, child.stderr[-2000:]  # was -11 / -6: native's oneDNN path ran
+    classes, kernels, tuned, candidates = json.loads(child.stdout.strip().splitlines()[-1])
+    assert classes == {name: 1}
+    if autotune:
+        # the tuning timed the upcast where it times native elsewhere, and never native
+        assert tuned and "upcast" in candidates and "native" not in candidates, candidates
+    else:
+        assert kernels == {"upcast": 1}  # the table's kernel declined the inf; the upcast, not native, served it
+
+
 def _dead_flat(dead, kernel):
     """Flat indices (over the kernel's spatial dims) of the taps dead in at least one dim."""
     return [i for i, taps in enumerate(itertools.product(*map(range, kernel)))
