@@ -112,6 +112,10 @@ class TensorInfo:
 class Verification:
     """A call compared with the original kernel on the same inputs (``verify=True``).
 
+    The original's result is the original kernel's on the same inputs; where that kernel is known to
+    crash or be wrong (``reference`` says why), the original kernel's result on float64 copies, rounded
+    into the layout and dtype it gives the call (float64 takes no oneDNN path on the CPU).
+
     Per requested output, ``max_abs`` is ``max |ours - original|`` and ``max_rel`` is
     ``max_abs / max |original|`` (the fields hold the largest over the outputs); ``ok`` is ``max_abs
     <= atol + rtol * max |original|`` for every output, with matching shapes and dtypes. ``strides_match`` is reported apart: a layout difference is a bug but not a
@@ -125,6 +129,37 @@ class Verification:
     strides_match: bool
     ok: bool
     mismatches: list[str] = dataclasses.field(default_factory=list)
+    # "original", or where the original kernel is known to crash or be wrong on the call
+    # (``testing.skips.native_defect_reason``) what stood in for it and why
+    reference: str = "original"
+
+
+def _original_result(keyset, aten_args: tuple, args: ConvolutionBackwardArgs) -> tuple[tuple, str]:
+    """The original kernel's result for ``verify`` and what it is (``Verification.reference``). Where
+    the original kernel is known to crash, hang or be wrong on the call (torch 2.13's oneDNN defects:
+    ``testing.skips.native_defect_reason``), it runs on float64 copies instead and its result is
+    rounded into the strides and dtype it gives the call (``args.empty_like_native``)."""
+    from .ops.convolution_backward.args import empty_like_native, output_memory_format
+    from .testing.skips import native_defect_reason
+
+    go, x, w = args.grad_output, args.input, args.weight
+    reason = native_defect_reason(
+        device_type=args.device_type, dtype=go.dtype, transposed=args.transposed, input_size=list(x.shape[2:]),
+        grad_output_size=list(go.shape[2:]), kernel=list(w.shape[2:]), stride=args.stride, padding=args.padding,
+        dilation=args.dilation)
+    if reason is None:
+        return _registration.call_original(keyset, aten_args), "original"
+    up = tuple(a.double() if isinstance(a, torch.Tensor) else a for a in aten_args)
+    gi, gw, gb = _registration.call_original(keyset, up)
+    backend = native_backend(args)
+    fmt = output_memory_format(args, backend)
+    if gi is not None:
+        gi = empty_like_native(x, fmt, backend, is_input=True).copy_(gi)
+    if gw is not None:
+        gw = empty_like_native(w, fmt, backend).copy_(gw)
+    if gb is not None:
+        gb = gb.to(go.dtype)
+    return (gi, gw, gb), f"the original kernel in float64: {reason}"
 
 
 @dataclasses.dataclass
@@ -796,7 +831,7 @@ class trace(contextlib.ContextDecorator):
         atol = default_atol if self.atol is None else self.atol
         if decision.backend == "aten":  # served by the original kernel: nothing to compare
             return Verification(0.0, 0.0, rtol, atol, True, True)
-        expected = _registration.call_original(keyset, aten_args)
+        expected, reference = _original_result(keyset, aten_args, args)
         max_abs = max_rel = 0.0
         strides_match = within = True
         mismatches = []
@@ -825,7 +860,7 @@ class trace(contextlib.ContextDecorator):
             if not diff <= atol + rtol * scale:  # also catches NaN
                 within = False
                 mismatches.append(f"{name}: max_abs={diff:.3g} max_rel={rel:.3g} beyond tolerance")
-        return Verification(max_abs, max_rel, rtol, atol, strides_match, within, mismatches)
+        return Verification(max_abs, max_rel, rtol, atol, strides_match, within, mismatches, reference)
 
     def _resolve_cuda_times(self) -> None:
         with self._lock:
@@ -1046,6 +1081,8 @@ def format_call(c: CallRecord, *, times: bool = True) -> list[str]:
             f"  verify: {status}  max_abs={v.max_abs:.3g}  max_rel={v.max_rel:.3g}  "
             f"strides={'match' if v.strides_match else 'differ'}  (rtol={v.rtol:g}, atol={v.atol:g})"
         )
+        if v.reference != "original":
+            lines.append(f"    against {v.reference}")
         lines.extend(f"    {m}" for m in v.mismatches)
     return lines
 

@@ -1297,7 +1297,15 @@ struct Tuned {
   std::vector<std::pair<std::string, double>> times_us;  // candidate -> fastest run, microseconds (tuned here)
   std::vector<std::pair<std::string, std::string>> rejected;  // candidate -> why it could not win
   double tune_us = 0;                                     // what tuning cost, microseconds (0: loaded)
+  bool inconclusive = false;  // a candidate declined the call's values (inf / NaN): it could not be timed
 };
+
+// Tunings of a signature that are not stored while a candidate declines its calls' values: a first call
+// with an inf (a bad batch, loss scaling) would otherwise leave every later, finite call of the signature
+// on the baseline (native, or the upcast where native is known to crash: 1.4-4x slower than the layer
+// class's own kernel). After this many, the choice is kept, so that a signature whose calls are never
+// finite stops paying for tunings.
+constexpr int kInconclusiveTunings = 3;
 
 struct Autotuner {
   std::atomic<bool> enabled{true};
@@ -1309,6 +1317,7 @@ struct Autotuner {
   std::recursive_mutex tuning_mutex;
   std::atomic<int64_t> tunings{0};
   std::atomic<int64_t> tune_us_total{0};
+  std::unordered_map<Signature, int, SignatureHash> inconclusive;  // under tuning_mutex
 };
 
 Autotuner& autotuner() {
@@ -1471,6 +1480,7 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
     if (!result) {
       alive[i] = false;
       out.rejected.emplace_back(name, "declined the call (non-finite values)");
+      out.inconclusive = true;
     } else if (auto why = differs(*result, reference, a.output_mask)) {
       alive[i] = false;
       out.rejected.emplace_back(name, "wrong: " + *why);
@@ -1565,6 +1575,8 @@ Choice choose_kernel(const Args& a, const Expanded& e, LayerClass cls) {
   last_call.times_us = tuned.times_us;
   last_call.rejected = tuned.rejected;
   const Choice choice = tuned.choice;
+  if (tuned.inconclusive && ++tuner.inconclusive[key] < kInconclusiveTunings) return choice;  // tune again
+  tuner.inconclusive.erase(key);
   std::unique_lock<std::shared_mutex> lock(tuner.table_mutex);
   tuner.table.emplace(key, std::move(tuned));
   return choice;
@@ -1710,8 +1722,14 @@ std::optional<Result> run_named_kernel(const std::string& name, const Args& a) {
     throw py::value_error(name + " is a split: it needs a call asking for grad_input and grad_weight");
   }
   const Kernel table = static_kernel(cls, a, e);
+  const Kernel reference = reference_kernel(a, e);
   for (Kernel k : {choice->gi, choice->gw}) {
-    if (k == table) continue;
+    if (k == Kernel::Native && reference != Kernel::Native) {
+      throw py::value_error(
+          "native cannot compute this call: torch 2.13's oneDNN path native takes is known to crash or be wrong on "
+          "it (the dead-taps conditions); 'upcast' stands in for it");
+    }
+    if (k == table || k == reference) continue;
     if (!tunable(cls, a)) {
       throw py::value_error(c10::str("a call of class ", kLayerClasses[static_cast<int>(cls)].name, " is served by ",
                                      kernel_name(table), " only"));
@@ -1842,6 +1860,8 @@ int64_t py_autotune_load(const std::vector<std::pair<std::string, std::string>>&
 
 void py_autotune_clear() {
   auto& tuner = autotuner();
+  std::lock_guard<std::recursive_mutex> tuning(tuner.tuning_mutex);  // the order choose_kernel takes them in
+  tuner.inconclusive.clear();
   std::unique_lock<std::shared_mutex> lock(tuner.table_mutex);
   tuner.table.clear();
 }

@@ -423,6 +423,35 @@ def test_non_finite_values_after_tuning_get_natives_results(layer, bad):
         torch.testing.assert_close(o, n, equal_nan=True, rtol=1e-4, atol=1e-4)
 
 
+def test_a_first_call_with_non_finite_values_does_not_pin_its_signature():
+    """A signature first called with an inf (a bad batch, an overflowing loss scale): our kernels
+    decline it, so they cannot be timed and native wins that tuning. It is not stored: the next,
+    finite call tunes again and its winner is kept. After kInconclusiveTunings (3) such tunings in a
+    row the choice is stored anyway, so a signature that is never finite stops tuning. (Before, one
+    bad first call left every later call of the signature on native: 1.4-4x slower.)"""
+    args = depthwise_call()
+    bad = list(args)
+    bad[0] = args[0].clone()
+    bad[0][0, 0, 0, 0] = float("inf")
+    with aten_override.enable("compiled", autotune=True):
+        ours = _OP(*bad)
+        assert autotune.entries() == []  # inconclusive: not stored
+        assert compiled.extension().last_call()["rejected"], "our kernels must have declined the inf"
+        _OP(*args)
+    (entry,) = autotune.entries()
+    assert not any("declined" in why for why in entry["rejected"].values()), entry
+    assert aten_override.stats()["compiled_tuning"]["signatures"] == 2
+    torch.testing.assert_close(ours, call_native(bad), equal_nan=True, rtol=1e-5, atol=1e-5)
+
+    autotune.clear()
+    with aten_override.enable("compiled", autotune=True):
+        for n in range(3):
+            _OP(*bad)
+            assert len(autotune.entries()) == (1 if n == 2 else 0), n
+        _OP(*args)  # the stored choice: no fourth tuning
+    assert aten_override.stats()["compiled_tuning"]["signatures"] == 2 + 3
+
+
 def test_relative_results_path_is_the_one_entered_with(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "elsewhere").mkdir()

@@ -297,6 +297,44 @@ def test_depth_without_full_row_never_reaches_native_from_our_own_classes(name, 
         assert kernels == {"upcast": 1}  # the table's kernel declined the inf; the upcast, not native, served it
 
 
+_VERIFY_SCRIPT = textwrap.dedent(
+    """
+    import json, torch, aten_override
+    from tests.ops.convolution_backward.test_native_defects import own_class_call
+    args = own_class_call({name!r})
+    with aten_override.enable("compiled"), aten_override.trace(verify=True, log=False) as t:
+        torch.ops.aten.convolution_backward.default(*args)
+    (call,) = t.calls
+    print(json.dumps([call.verify.ok, call.verify.strides_match, call.verify.reference]))
+    """
+)
+
+
+@pytest.mark.parametrize("name", ["one-channel", "grouped-gemm"])
+def test_verify_and_run_kernel_never_run_the_original_kernel_where_it_crashes(name):
+    """``trace(verify=True)`` compares each call with the original kernel: on these calls that kernel
+    crashed the process (SIGSEGV, SIGABRT) or blamed our right result with its NaN. It is compared
+    with the original kernel in float64 instead, in the call's layout and dtype. ``_C.run_kernel``
+    refuses ``native`` there and runs its stand-in ``upcast``."""
+    from aten_override.ops.convolution_backward import compiled
+
+    if compiled.unavailable_reason() is not None:
+        pytest.skip(compiled.unavailable_reason())
+    args = own_class_call(name)
+    if not native_picks_onednn(args):
+        pytest.skip(f"native does not take oneDNN for {name} here: its path is not the defective one")
+    child = _run(_VERIFY_SCRIPT.format(name=name))
+    assert child.returncode == 0, child.stderr[-2000:]
+    ok, strides_match, against = json.loads(child.stdout.strip().splitlines()[-1])
+    assert ok and strides_match and against.startswith("the original kernel in float64: "), against
+    ext = compiled.extension()
+    with pytest.raises(ValueError, match="native cannot compute this call.*'upcast' stands in"):
+        ext.run_kernel("native", *args)
+    for ours, expected in zip(ext.run_kernel("upcast", *args), reference(args)):
+        assert ours.dtype == torch.float32 and ours.stride() == expected.stride()
+        torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 def _dead_flat(dead, kernel):
     """Flat indices (over the kernel's spatial dims) of the taps dead in at least one dim."""
     return [i for i, taps in enumerate(itertools.product(*map(range, kernel)))
