@@ -23,7 +23,10 @@
 // shift mod s (stride 1: one phase, the plain order).
 // Threads and bits: grad_weight's tasks are (group, block of taps, block of output channels); grad_input's
 // are (group, block of input rows) pairs, each summing over the taps in order. Every element is written by one task
-// in a fixed order: the same bits for any thread count, no atomics.
+// in a fixed order: the same bits for any thread count, no atomics. Threads take tasks as they finish
+// (fused::for_each_chunk): with a stride the blocks' work differs (wav2vec2's stride-2, 3-tap layers: the
+// even phase's blocks meet two taps, the odd phase's one), and an even split of the blocks left one of two
+// threads idle for a third of grad_input's GEMMs.
 #include "../convolution_backward.h"
 #include "fused.h"
 
@@ -83,6 +86,8 @@ void kn2row_lanes_typed(
   };
   std::vector<int64_t> index(std::max({l_in, l_out, p.kernel[d]}));
   std::iota(index.begin(), index.end(), int64_t{0});
+  // for_each_chunk's size of the problem (it runs serially below kSerialElements)
+  const int64_t elements = N * G * (cin * l_in + cout * l_out);
   std::vector<int64_t> in_rows(l_in);
   for (int64_t i = 0; i < l_in; ++i) in_rows[i] = i % stride * q_len + i / stride;
 
@@ -122,28 +127,30 @@ void kn2row_lanes_typed(
     const int64_t rows = fused::rows_of<acc_t>(fused::wide_vectors());
     const int64_t row_block = (cout + kRowBlocks * rows - 1) / (kRowBlocks * rows) * rows;
     const int64_t row_blocks = (cout + row_block - 1) / row_block;
-    at::parallel_for(0, G * tap_blocks * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    fused::for_each_chunk(G * tap_blocks * row_blocks, elements, [&](auto&& next_chunk) {
       std::vector<acc_t> sums(kTapBlock * row_block * ci_pad);  // [tap in block][output channel in block][ci_pad]
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t g = t / (tap_blocks * row_blocks), rest = t % (tap_blocks * row_blocks);
-        const int64_t k0 = rest / row_blocks * kTapBlock, k1 = std::min(taps, k0 + kTapBlock);
-        const int64_t r0 = rest % row_blocks * row_block, r1 = std::min(cout, r0 + row_block), m = r1 - r0;
-        for (int64_t k = k0; k < k1; ++k) {
-          const auto [row0, o_begin, o_end] = tap_rows(k);
-          acc_t* c = sums.data() + (k - k0) * m * ci_pad;
-          if (o_end <= o_begin) {  // a tap that only meets padding: zeros
-            std::fill(c, c + m * ci_pad, acc_t(0));
-            continue;
+      for (auto [begin, end] = next_chunk(); begin < end; std::tie(begin, end) = next_chunk()) {
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t g = t / (tap_blocks * row_blocks), rest = t % (tap_blocks * row_blocks);
+          const int64_t k0 = rest / row_blocks * kTapBlock, k1 = std::min(taps, k0 + kTapBlock);
+          const int64_t r0 = rest % row_blocks * row_block, r1 = std::min(cout, r0 + row_block), m = r1 - r0;
+          for (int64_t k = k0; k < k1; ++k) {
+            const auto [row0, o_begin, o_end] = tap_rows(k);
+            acc_t* c = sums.data() + (k - k0) * m * ci_pad;
+            if (o_end <= o_begin) {  // a tap that only meets padding: zeros
+              std::fill(c, c + m * ci_pad, acc_t(0));
+              continue;
+            }
+            const acc_t* a = go_d + (g * l_out + o_begin) * N * co_pad + r0;  // its transpose: channels x rows
+            const acc_t* b = x_d + (g * rows_in + row0 + o_begin) * N * ci_pad;
+            fused::gemm(m, ci_pad, (o_end - o_begin) * N, a, 1, co_pad, b, ci_pad, c, ci_pad, /*accumulate=*/false);
           }
-          const acc_t* a = go_d + (g * l_out + o_begin) * N * co_pad + r0;  // its transpose: channels x rows
-          const acc_t* b = x_d + (g * rows_in + row0 + o_begin) * N * ci_pad;
-          fused::gemm(m, ci_pad, (o_end - o_begin) * N, a, 1, co_pad, b, ci_pad, c, ci_pad, /*accumulate=*/false);
-        }
-        for (int64_t co = r0; co < r1; ++co) {
-          const int64_t row = g * cout + co;
-          for (int64_t c = 0; c < cin; c += L) {
-            fused::store_tiles(sums.data() + (co - r0) * ci_pad + c, index.data(), k1 - k0, out + (row * cin + c) * taps + k0,
-                               taps, std::min(L, cin - c), m * ci_pad);
+          for (int64_t co = r0; co < r1; ++co) {
+            const int64_t row = g * cout + co;
+            for (int64_t c = 0; c < cin; c += L) {
+              fused::store_tiles(sums.data() + (co - r0) * ci_pad + c, index.data(), k1 - k0, out + (row * cin + c) * taps + k0,
+                                 taps, std::min(L, cin - c), m * ci_pad);
+            }
           }
         }
       }
@@ -171,17 +178,19 @@ void kn2row_lanes_typed(
     const acc_t* w_d = w_t.const_data_ptr<acc_t>();
     const int64_t block = std::max<int64_t>(1, (rows_in + kPositionBlocks - 1) / kPositionBlocks);
     const int64_t blocks = (rows_in + block - 1) / block;
-    at::parallel_for(0, G * blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t g = t / blocks, s0 = t % blocks * block, s1 = std::min(rows_in, s0 + block);
-        for (int64_t k = 0; k < taps; ++k) {
-          auto [row0, o_begin, o_end] = tap_rows(k);
-          o_begin = std::max(o_begin, s0 - row0), o_end = std::min(o_end, s1 - row0);
-          if (o_end <= o_begin) continue;
-          fused::gemm((o_end - o_begin) * N, ci_pad, cout, go_d + (g * l_out + o_begin) * N * co_pad, co_pad, 1,
-                          w_d + (g * taps + k) * cout * ci_pad, ci_pad,
-                          gi_t.mutable_data_ptr<acc_t>() + (g * rows_in + row0 + o_begin) * N * ci_pad, ci_pad,
-                          /*accumulate=*/true);
+    fused::for_each_chunk(G * blocks, elements, [&](auto&& next_chunk) {
+      for (auto [begin, end] = next_chunk(); begin < end; std::tie(begin, end) = next_chunk()) {
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t g = t / blocks, s0 = t % blocks * block, s1 = std::min(rows_in, s0 + block);
+          for (int64_t k = 0; k < taps; ++k) {
+            auto [row0, o_begin, o_end] = tap_rows(k);
+            o_begin = std::max(o_begin, s0 - row0), o_end = std::min(o_end, s1 - row0);
+            if (o_end <= o_begin) continue;
+            fused::gemm((o_end - o_begin) * N, ci_pad, cout, go_d + (g * l_out + o_begin) * N * co_pad, co_pad, 1,
+                            w_d + (g * taps + k) * cout * ci_pad, ci_pad,
+                            gi_t.mutable_data_ptr<acc_t>() + (g * rows_in + row0 + o_begin) * N * ci_pad, ci_pad,
+                            /*accumulate=*/true);
+          }
         }
       }
     });
