@@ -53,7 +53,13 @@ from torch.utils._dtype_abbrs import dtype_abbrs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _registration
-from .ops.convolution_backward.args import ConvolutionBackwardArgs, native_backend
+from .ops.convolution_backward.args import (
+    ConvolutionBackwardArgs,
+    empty_like_native,
+    native_backend,
+    native_defect_reason,
+    output_memory_format,
+)
 
 __all__ = ["trace", "CallRecord", "OpRecord", "TensorInfo", "Verification", "TraceData", "Aggregates", "load", "default_tolerance"]
 
@@ -130,18 +136,15 @@ class Verification:
     ok: bool
     mismatches: list[str] = dataclasses.field(default_factory=list)
     # "original", or where the original kernel is known to crash or be wrong on the call
-    # (``testing.skips.native_defect_reason``) what stood in for it and why
+    # (``args.native_defect_reason``) what stood in for it and why
     reference: str = "original"
 
 
 def _original_result(keyset, aten_args: tuple, args: ConvolutionBackwardArgs) -> tuple[tuple, str]:
     """The original kernel's result for ``verify`` and what it is (``Verification.reference``). Where
     the original kernel is known to crash, hang or be wrong on the call (torch 2.13's oneDNN defects:
-    ``testing.skips.native_defect_reason``), it runs on float64 copies instead and its result is
+    ``args.native_defect_reason``), it runs on float64 copies instead and its result is
     rounded into the strides and dtype it gives the call (``args.empty_like_native``)."""
-    from .ops.convolution_backward.args import empty_like_native, output_memory_format
-    from .testing.skips import native_defect_reason
-
     go, x, w = args.grad_output, args.input, args.weight
     reason = native_defect_reason(
         device_type=args.device_type, dtype=go.dtype, transposed=args.transposed, input_size=list(x.shape[2:]),

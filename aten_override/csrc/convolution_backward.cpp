@@ -1549,9 +1549,9 @@ std::optional<Choice> tuned_choice(const Signature& key) {
 // names kernels, and one that cannot compute this call (a tampered file) is never run; a split needs
 // a call asking for both gradients.
 Choice usable_choice(Choice tuned, Kernel static_choice, const Args& a, const Expanded& e) {
-  const Kernel reference = reference_kernel(a, e);
+  // (reference_kernel only for an entry naming native or the upcast: this runs on every tuned call)
   const auto can = [&](Kernel k) {
-    if (k == Kernel::Native || k == Kernel::Upcast) return k == reference;
+    if (k == Kernel::Native || k == Kernel::Upcast) return k == reference_kernel(a, e);
     return k == static_choice || !candidate_unsupported(k, a, e);
   };
   const bool ok = can(tuned.gi) && can(tuned.gw) && (!tuned.split() || (a.output_mask[0] && a.output_mask[1]));

@@ -6,7 +6,7 @@ transposed, stride / padding / dilation / groups, ``output_padding`` up to
 ``output_mask``, ``bias_sizes`` given or ``None``, an empty batch now and then, float64 / float32 /
 bfloat16 / float16, channels_last or non-contiguous ``input`` / ``weight``, and contiguous,
 channels_last, non-contiguous or expanded (stride-0) ``grad_output``. Calls on which the original
-kernel crashes or returns uninitialised values (:func:`.skips.native_defect_reason`) are drawn in
+kernel crashes or returns uninitialised values (``args.native_defect_reason``) are drawn in
 float32 (or float64) instead.
 
 A drawn :class:`ConvolutionBackwardCase` renders itself as a self-contained Python snippet

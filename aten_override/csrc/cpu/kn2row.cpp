@@ -187,9 +187,9 @@ void kn2row_lanes_typed(
             o_begin = std::max(o_begin, s0 - row0), o_end = std::min(o_end, s1 - row0);
             if (o_end <= o_begin) continue;
             fused::gemm((o_end - o_begin) * N, ci_pad, cout, go_d + (g * l_out + o_begin) * N * co_pad, co_pad, 1,
-                            w_d + (g * taps + k) * cout * ci_pad, ci_pad,
-                            gi_t.mutable_data_ptr<acc_t>() + (g * rows_in + row0 + o_begin) * N * ci_pad, ci_pad,
-                            /*accumulate=*/true);
+                        w_d + (g * taps + k) * cout * ci_pad, ci_pad,
+                        gi_t.mutable_data_ptr<acc_t>() + (g * rows_in + row0 + o_begin) * N * ci_pad, ci_pad,
+                        /*accumulate=*/true);
           }
         }
       }
