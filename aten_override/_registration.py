@@ -307,6 +307,15 @@ def _deregister() -> None:
     lib, _state.library = _state.library, None
     if lib is not None:
         lib._destroy()
+    _release_workspace()
+
+
+def _release_workspace() -> None:
+    """Free the compiled kernels' kept temporaries (``_C.workspace()``, csrc/cpu/workspace.h): with
+    our kernel out of the dispatcher, nothing of ours holds memory."""
+    ext = _loaded_extension()
+    if ext is not None:
+        ext.release_workspace()
 
 
 def _sync_registration() -> None:
@@ -329,14 +338,16 @@ def _should_linger() -> bool:
 def release() -> bool:
     """Destroy an idle, lingering registration now: the dispatcher table is exactly as before
     (``torch._C._dispatch_dump("aten::convolution_backward")``), and the next ``enable()`` cycles
-    start counting towards :data:`LINGER_AFTER` afresh. Does nothing while a backend is enabled,
-    :func:`pin` holds it or a trace observes. Returns whether a registration was destroyed."""
+    start counting towards :data:`LINGER_AFTER` afresh, and the compiled kernels' kept temporaries
+    (``_C.workspace()``) are freed. Does nothing while a backend is enabled, :func:`pin` holds it or
+    a trace observes. Returns whether a registration was destroyed."""
     with _state.lock:
         if _state.stack or _state.pins or _state.observer is not None:
             return False
         _state.registered_at.clear()
         _state.linger = False
         if _state.library is None:
+            _release_workspace()
             return False
         _deregister()
         return True

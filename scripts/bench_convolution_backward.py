@@ -128,12 +128,14 @@ def peak_bytes(fn) -> int:
         e = stack.pop()
         stack.extend(e.children)
         if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.total_allocated))
-    if not events:
-        return 0
-    events.sort()
-    base = events[0][2] - events[0][1]
-    return max(total for _, _, total in events) - base
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+    # A running sum of the sizes (frees are negative), not the events' totals: c10's CPU allocator and
+    # the compiled kernels' kept temporaries (csrc/cpu/workspace.h) each report their own total.
+    peak = held = 0
+    for _, size in sorted(events):
+        held += size
+        peak = max(peak, held)
+    return peak
 
 
 def time_interleaved(backends, args, rounds: int, min_run_time: float) -> tuple[dict[str, float], dict[str, float]]:

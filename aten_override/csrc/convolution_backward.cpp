@@ -5,6 +5,7 @@
 //
 // No Python runs on the per-call path once register_kernels() has been called.
 #include "convolution_backward.h"
+#include "cpu/workspace.h"
 
 #include <ATen/ATen.h>
 #include <ATen/native/ConvUtils.h>
@@ -1938,6 +1939,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "layer_classes and kernels every call the backend computed, tunings / tune_us the signatures tuned and "
         "what that cost (microseconds).");
   m.def("reset_stats", &py_reset_stats);
+  m.def(
+      "workspace",
+      []() {
+        const workspace::Stats s = workspace::stats();
+        py::dict out;
+        out["kept_bytes"] = s.kept_bytes;
+        out["limit_bytes"] = s.limit_bytes;
+        out["hits"] = s.hits;
+        out["misses"] = s.misses;
+        return out;
+      },
+      "workspace() -> {'kept_bytes', 'limit_bytes', 'hits', 'misses'}: the kernels' temporaries of 1 MiB or more "
+      "come from blocks kept between calls (cpu/workspace.h): the bytes kept now, the most that may be kept, and "
+      "how many requests a kept block served (hits) or allocated anew (misses).");
+  m.def("set_workspace_limit", &workspace::set_limit, py::arg("bytes"),
+        "The most bytes of blocks kept between calls (default 256 MiB; 0 keeps none). Frees the kept blocks "
+        "over it, largest first.");
+  m.def("release_workspace", &workspace::release,
+        "Free every kept block; returns their bytes. The registration calls it when our kernel leaves the "
+        "dispatcher.");
   m.def("set_autotune", [](bool on) { autotuner().enabled.store(on); },
         "Whether the first call of each signature times the candidate kernels (else the layer-class table "
         "decides); torch.use_deterministic_algorithms(True) makes the table decide either way.");

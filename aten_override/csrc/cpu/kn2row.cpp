@@ -29,6 +29,7 @@
 // threads idle for a third of grad_input's GEMMs.
 #include "../convolution_backward.h"
 #include "fused.h"
+#include "workspace.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -94,8 +95,8 @@ void kn2row_lanes_typed(
   // Channels-last copies, per group a [position][sample][channel] block (channels padded with zeros to
   // whole vectors): a tap's valid positions are then one run of rows for every sample at once, and one
   // product serves the whole batch. grad_output, and input (in phases) for grad_weight.
-  const at::Tensor go_t = at::empty({G, l_out, N, co_pad}, options);
-  const at::Tensor x_t = gw ? at::empty({G, rows_in, N, ci_pad}, options) : at::Tensor();
+  const at::Tensor go_t = workspace::empty({G, l_out, N, co_pad}, options);
+  const at::Tensor x_t = gw ? workspace::empty({G, rows_in, N, ci_pad}, options) : at::Tensor();
   at::parallel_for(0, G * N, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t / N, n = t % N;
@@ -160,7 +161,7 @@ void kn2row_lanes_typed(
   if (gi) {
     // weight as [group][tap][C_out / groups][ci_pad]: per output channel, its (C_in / groups, taps)
     // block transposed.
-    at::Tensor w_t = at::empty({G, taps, cout, ci_pad}, options);
+    at::Tensor w_t = workspace::empty({G, taps, cout, ci_pad}, options);
     at::parallel_for(0, G * cout, 16, [&](int64_t begin, int64_t end) {
       const acc_t* src = w.const_data_ptr<acc_t>();
       acc_t* dst = w_t.mutable_data_ptr<acc_t>();
@@ -174,7 +175,7 @@ void kn2row_lanes_typed(
     });
     // grad_input as [group][input row][sample][ci_pad] (the input's phases), one task per (group, block
     // of input rows), each summing over the taps in order.
-    at::Tensor gi_t = at::zeros({G, rows_in, N, ci_pad}, options);
+    at::Tensor gi_t = workspace::zeros({G, rows_in, N, ci_pad}, options);
     const acc_t* w_d = w_t.const_data_ptr<acc_t>();
     const int64_t block = std::max<int64_t>(1, (rows_in + kPositionBlocks - 1) / kPositionBlocks);
     const int64_t blocks = (rows_in + block - 1) / block;

@@ -35,6 +35,7 @@
 // added in run order. float16 / bfloat16 compute in float32, float32 in float32, float64 in float64.
 // No atomics, and every sum's order is fixed: the same bits for any thread count.
 #include "fused.h"
+#include "workspace.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -271,7 +272,7 @@ template <typename scalar_t, typename acc_t>
 at::Tensor planes_of(const at::Tensor& t, int64_t N, int64_t C, int64_t S) {
   constexpr int64_t L = fused::Vec<acc_t>::size;
   const int64_t Cp = fused::round_up<acc_t>(C), blocks = Cp / L;
-  at::Tensor out = at::empty({N, S, Cp}, t.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+  at::Tensor out = workspace::empty({N, S, Cp}, t.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
   const std::vector<int64_t> index = positions_every(S, 1);
   const scalar_t* src = t.const_data_ptr<scalar_t>();
   acc_t* dst = out.mutable_data_ptr<acc_t>();
@@ -468,7 +469,7 @@ void grad_input_impl(const DirectProblem& p, const at::Tensor& go_planes, const 
   const auto options = go_planes.options();
   // U = G w' G^T of the flipped weight, [xi][C_out][Cp] (the weight's taps freed before the tiles'
   // buffers are allocated: U is 16/9 of the weight, the workspace's largest part on 512-channel layers).
-  at::Tensor u = at::empty({16, K, Cp}, options);
+  at::Tensor u = workspace::empty({16, K, Cp}, options);
   {
     const at::Tensor w_taps = taps_of<scalar_t, acc_t>(w.const_data_ptr<scalar_t>(), K, C, options);
     Pass weight_pass;
@@ -478,7 +479,7 @@ void grad_input_impl(const DirectProblem& p, const at::Tensor& go_planes, const 
   const int64_t tiles_h = (H + 1) / 2, tiles_w = (W + 1) / 2;
   const Split split(N * D * tiles_h * tiles_w, chunk_tiles(Kp, Cp, sizeof(acc_t), N * D * tiles_h * tiles_w),
                     at::get_num_threads());
-  at::Tensor gi_planes = at::empty({N * D, H, W, Cp}, options);
+  at::Tensor gi_planes = workspace::empty({N * D, H, W, Cp}, options);
   const int64_t offset = 2 - p.padding[1];
   const bool vectors = winograd_gemm().vectors;
   at::parallel_for(0, split.tasks, 1, [&](int64_t begin, int64_t end) {
@@ -513,7 +514,7 @@ void grad_weight_impl(const DirectProblem& p, const at::Tensor& go_planes, const
   const Split split(N * D * tiles_h * tiles_w, chunk_tiles(Kp, Cp, sizeof(acc_t), N * D * tiles_h * tiles_w),
                     std::min(kWeightTasks, 1 + planes_bytes / sum_bytes));
   const auto options = go_planes.options();
-  at::Tensor sums = at::empty({split.tasks, 16, K, Cp}, options);
+  at::Tensor sums = workspace::empty({split.tasks, 16, K, Cp}, options);
   const bool vectors = winograd_gemm().vectors;
   at::parallel_for(0, split.tasks, 1, [&](int64_t begin, int64_t end) {
     at::Tensor h = at::empty({16, split.chunk, Kp}, options), v = at::empty({16, split.chunk, Cp}, options);
