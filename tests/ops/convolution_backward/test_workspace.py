@@ -10,12 +10,16 @@ bounded by the limit and freed when our kernel leaves the dispatcher.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 import pytest
 import torch
 
 import aten_override
 from aten_override.ops.convolution_backward import compiled
 from aten_override.testing.comparison import call_native, check_against_native, float64_reference
+from tests.backend_params import REPO
 
 pytestmark = pytest.mark.skipif(compiled.unavailable_reason() is not None, reason=str(compiled.unavailable_reason()))
 
@@ -159,28 +163,21 @@ def test_the_same_bits_at_any_thread_count_on_kept_blocks():
         _assert_same_bits(r, results[0], "kn2row-lanes at 1 / 2 / 3 threads")
 
 
-def _profiled_peak(fn) -> int:
-    """Peak bytes allocated during fn() as torch.profiler's memory events tell it (a running sum)."""
-    from torch._C._profiler import _EventType  # noqa: PLC0415
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, e.extra_fields.alloc_size))
-    peak = held = 0
-    for _, size in sorted(events):
-        held += size
-        peak = max(peak, held)
-    return peak
+def _bench_peak_bytes(monkeypatch):
+    """``peak_bytes`` of scripts/bench_convolution_backward.py: the layer bench's peak memory, from
+    torch.profiler's memory events."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))  # its `from interleave import ...`
+    spec = importlib.util.spec_from_file_location("bench_convolution_backward", REPO / "scripts" / "bench_convolution_backward.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.peak_bytes
 
 
 @pytest.mark.parametrize("kernel", sorted(CALLS))
-def test_the_profiler_sees_kept_blocks_as_the_calls_memory(kernel):
+def test_the_profiler_sees_kept_blocks_as_the_calls_memory(kernel, monkeypatch):
+    """The layer bench's peak memory counts kept blocks as the call's, as it counts fresh ones."""
+    _profiled_peak = _bench_peak_bytes(monkeypatch)
     call = CALLS[kernel][0]
     _C.set_workspace_limit(0)
     fresh = _profiled_peak(lambda: _C.run_kernel(kernel, *call))
