@@ -201,6 +201,7 @@ enum class Kernel : int {
   PointwiseFused,  // cpu/pointwise.cpp, 1x1 stride 1: both gradients in one pass, vector micro-kernels
   Kn2rowLanes,   // cpu/kn2row.cpp, 1-D stride 1: per tap over the positions it meets, vector micro-kernels
   PointwiseBf16,  // cpu/pointwise_bf16.cpp, bfloat16 1x1 stride 1: both gradients in one pass, bfloat16 dot products
+  Kn2rowPlanes,  // cpu/gemm.cpp, gemm-kn2row's products on the vector micro-kernels, in the tensors' layout
   Test,          // a fake candidate for the autotuner's tests (set_test_candidate); never otherwise
   Count
 };
@@ -208,7 +209,7 @@ enum class Kernel : int {
 constexpr const char* kKernelNames[] = {"native",          "zeros",           "sum",           "upcast",
                                         "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct",
                                         "grouped-lanes",   "gemm-im2col",     "gemm-kn2row",   "winograd",
-                                        "pointwise-fused", "kn2row-lanes",    "pointwise-bf16",
+                                        "pointwise-fused", "kn2row-lanes",    "pointwise-bf16",  "kn2row-planes",
                                         "test"};
 static_assert(sizeof(kKernelNames) / sizeof(kKernelNames[0]) == static_cast<size_t>(Kernel::Count));
 
@@ -1138,6 +1139,9 @@ std::optional<std::string> candidate_unsupported(Kernel k, const Args& a, const 
     case Kernel::PointwiseFused: return pointwise_unsupported(p, dtype);
     case Kernel::Kn2rowLanes: return kn2row_lanes_unsupported(p, dtype);
     case Kernel::PointwiseBf16: return pointwise_bf16_unsupported(p, dtype);
+    case Kernel::Kn2rowPlanes:
+      if ((dtype == at::kFloat || dtype == at::kDouble) && kn2row_applies(p)) return std::nullopt;
+      return "not stride 1 with taps in one dim, or not float32 / float64";
     case Kernel::Test:
       if (test_candidate().load() != TestCandidate::Off) return std::nullopt;
       return "test candidate off";
@@ -1189,14 +1193,15 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
     case Kernel::Winograd:
     case Kernel::PointwiseFused:
     case Kernel::PointwiseBf16:
+    case Kernel::Kn2rowPlanes:
     case Kernel::Kn2rowLanes: {
-      const bool gemm = k == Kernel::GemmIm2col || k == Kernel::GemmKn2row;
+      const bool gemm = k == Kernel::GemmIm2col || k == Kernel::GemmKn2row || k == Kernel::Kn2rowPlanes;
       const bool winograd = k == Kernel::Winograd;
       if (cpu && !gemm && a.output_mask[0] && !all_finite(a.weight)) return std::nullopt;
       // The kn2row kernels form only the products of positions where a tap meets the input: an inf / NaN
       // in grad_output at an output position that only padding meets (native: inf x 0 = NaN in that
       // tap's grad_weight) would vanish from grad_weight, so such calls get native's result.
-      if (cpu && a.output_mask[1] && (k == Kernel::Kn2rowLanes || k == Kernel::GemmKn2row) &&
+      if (cpu && a.output_mask[1] && (k == Kernel::Kn2rowLanes || k == Kernel::GemmKn2row || k == Kernel::Kn2rowPlanes) &&
           !all_finite(a.grad_output)) {
         return std::nullopt;
       }
@@ -1207,6 +1212,7 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
           : k == Kernel::Kn2rowLanes          ? kn2row_lanes_backward(a, e)
           : k == Kernel::GemmIm2col           ? gemm_backward(a, e, GemmAlgorithm::Im2col)
           : k == Kernel::GemmKn2row           ? gemm_backward(a, e, GemmAlgorithm::Kn2row)
+          : k == Kernel::Kn2rowPlanes         ? gemm_backward(a, e, GemmAlgorithm::Kn2rowPlanes)
           : k == Kernel::DepthwiseLanes       ? direct_backward(a, e, DepthwiseWalk::Lanes)
           : k == Kernel::DepthwiseBands       ? direct_backward(a, e, DepthwiseWalk::Bands)
                                               : direct_backward(a, e, DepthwiseWalk::Plane);

@@ -54,6 +54,7 @@ void direct_grad_weight_cuda(
 enum class GemmAlgorithm : int {
   Im2col,  // columns gathered per chunk of output positions (views of input for 1x1 stride 1)
   Kn2row,  // one GEMM per kernel tap on shifted views; only where kn2row_applies()
+  Kn2rowPlanes,  // Kn2row's products on the vector micro-kernels (fused::gemm), float32 / float64
 };
 
 // Whether Kn2row can compute p: stride 1, more than one tap in exactly one dim, the dims after it 1x1

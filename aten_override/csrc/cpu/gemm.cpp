@@ -21,12 +21,15 @@
 // copies, except pointwise layers whose batch fits one chunk, where each output is the result of a
 // single oneDNN GEMM (AMX) that accumulates in float32 and rounds once, like native.
 #include "../convolution_backward.h"
+#include "fused.h"
+#include "workspace.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -465,6 +468,120 @@ void kn2row_backward(
   if (gw.defined()) gw.view({c_out, c_in, taps}).copy_(acc.permute({1, 2, 0}));
 }
 
+// grad_input's columns (positions of one sample) per task of kn2row_vectors: several micro-kernel
+// column blocks, and tasks for threads (R(2+1)D's 3x1x1 layers: 8 x 3,136 positions per sample).
+constexpr int64_t kKn2rowColumns = 2048;
+// grad_weight's input channels per task of kn2row_vectors (whole micro-kernel rows).
+constexpr int64_t kKn2rowRows = 16;
+
+// The kn2row-planes kernel: Kn2row for one group on fused::gemm's vector micro-kernels instead of BLAS
+// (MKL runs its AVX2 code on AMD CPUs: 57-63 GFLOP/s on R(2+1)D's 3x1x1 layers on a Zen 4 core that
+// reaches 104), float32 / float64, tensors as for kn2row_backward; a candidate of its own, so the
+// autotuner measures it against gemm-kn2row per signature and gradient. The same products, in the
+// tensors' own NC(positions) layout:
+//   grad_input: tasks of (sample, kKn2rowColumns columns); per tap in order, columns
+//     [(o_begin + shift) * inner, (o_end + shift) * inner) of the task += weight[:, :, k]^T @ grad_output's
+//     columns shift * inner before them (a tap's sum over C_out in registers, then added: as
+//     gemm_add's product formed apart);
+//   grad_weight: grad_output transposed once to [position][C_out] (C_out padded to whole vectors; a
+//     kept workspace), then tasks of (tap, kKn2rowRows input channels): per sample in order, that
+//     sample's product (a running sum of kGemmBlock-term blocks over the tap's positions) added to the
+//     task's sums.
+// Each element is written by one task in a fixed order: the same bits for any thread count.
+template <typename acc_t>
+void kn2row_vectors(
+    const DirectProblem& p, const at::Tensor& go, const at::Tensor& x, const at::Tensor& w, at::Tensor gi,
+    at::Tensor gw) {
+  TORCH_INTERNAL_ASSERT(p.groups == 1);
+  constexpr int64_t L = fused::Vec<acc_t>::size;
+  const int d = kn2row_dim(p);
+  const int64_t taps = p.kernel[d], in_len = p.in[d], out_len = p.out[d];
+  int64_t inner = 1;  // positions per index of dim d: the dims after it, 1x1 with stride 1
+  for (int i = d + 1; i < 3; ++i) inner *= p.in[i];
+  const int64_t N = p.batch, c_in = p.in_per_group, c_out = p.out_per_group;
+  const int64_t in_pos = in_len * inner, out_pos = out_len * inner;
+  // tap k: outputs [o_begin, o_end) read input o + shift
+  struct Tap {
+    int64_t shift, o_begin, o_end;
+  };
+  std::vector<Tap> tap(taps);
+  for (int64_t k = 0; k < taps; ++k) {
+    const int64_t shift = k * p.dilation[d] - p.padding[d];
+    tap[k] = {shift, std::max<int64_t>(0, -shift), std::min(out_len, in_len - shift)};
+  }
+  const acc_t* god = go.const_data_ptr<acc_t>();
+  if (gi.defined()) {
+    // weight^T per tap: (taps, C_in, C_out)
+    const at::Tensor w_t = w.view({c_out, c_in, taps}).permute({2, 1, 0}).contiguous();
+    const acc_t* wd = w_t.const_data_ptr<acc_t>();
+    acc_t* gid = gi.mutable_data_ptr<acc_t>();
+    const int64_t blocks = (in_pos + kKn2rowColumns - 1) / kKn2rowColumns;
+    at::parallel_for(0, N * blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n = t / blocks, c0 = t % blocks * kKn2rowColumns, c1 = std::min(in_pos, c0 + kKn2rowColumns);
+        acc_t* gi_n = gid + n * gi.stride(0);
+        const acc_t* go_n = god + n * go.stride(0);
+        for (int64_t row = 0; row < c_in; ++row) std::fill(gi_n + row * in_pos + c0, gi_n + row * in_pos + c1, acc_t(0));
+        for (int64_t k = 0; k < taps; ++k) {
+          const int64_t g0 = std::max(c0, (tap[k].o_begin + tap[k].shift) * inner);
+          const int64_t g1 = std::min(c1, (tap[k].o_end + tap[k].shift) * inner);
+          if (g1 <= g0) continue;
+          const int64_t cols = g1 - g0, whole = cols / L * L, from = g0 - tap[k].shift * inner;
+          const acc_t* a = wd + k * c_in * c_out;
+          if (whole > 0) {
+            fused::gemm(c_in, whole, c_out, a, c_out, 1, go_n + from, out_pos, gi_n + g0, in_pos, /*accumulate=*/true);
+          }
+          for (int64_t ci = 0; ci < c_in; ++ci) {  // the last columns, fewer than a vector
+            for (int64_t j = whole; j < cols; ++j) {
+              acc_t sum = 0;
+              for (int64_t co = 0; co < c_out; ++co) sum += a[ci * c_out + co] * go_n[co * out_pos + from + j];
+              gi_n[ci * in_pos + g0 + j] += sum;
+            }
+          }
+        }
+      }
+    });
+  }
+  if (gw.defined()) {
+    const int64_t co_pad = fused::round_up<acc_t>(c_out);
+    // grad_output as [sample][position][co_pad]
+    const at::Tensor go_t = workspace::empty({N, out_pos, co_pad}, go.options());
+    acc_t* go_td = go_t.mutable_data_ptr<acc_t>();
+    std::vector<int64_t> index(out_pos);
+    std::iota(index.begin(), index.end(), int64_t{0});
+    const int64_t lane_blocks = co_pad / L;
+    at::parallel_for(0, N * lane_blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n = t / lane_blocks, c = t % lane_blocks * L;
+        fused::load_tiles(god + n * go.stride(0) + c * out_pos, out_pos, std::min(L, c_out - c), index.data(), out_pos,
+                          go_td + n * out_pos * co_pad + c, co_pad);
+      }
+    });
+    // sums[k][ci][co_pad], then grad_weight (C_out, C_in, taps)
+    at::Tensor sums = at::empty({taps, c_in, co_pad}, go.options());
+    acc_t* sd = sums.mutable_data_ptr<acc_t>();
+    const acc_t* xd = x.const_data_ptr<acc_t>();
+    const int64_t row_blocks = (c_in + kKn2rowRows - 1) / kKn2rowRows;
+    at::parallel_for(0, taps * row_blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> part(kKn2rowRows * co_pad);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t k = t / row_blocks, r0 = t % row_blocks * kKn2rowRows, rows = std::min(kKn2rowRows, c_in - r0);
+        acc_t* out = sd + (k * c_in + r0) * co_pad;
+        std::fill(out, out + rows * co_pad, acc_t(0));
+        if (tap[k].o_end <= tap[k].o_begin) continue;  // a tap that only meets padding: zeros
+        const int64_t first = tap[k].o_begin * inner, cols = (tap[k].o_end - tap[k].o_begin) * inner;
+        const int64_t x_first = (tap[k].o_begin + tap[k].shift) * inner;
+        for (int64_t n = 0; n < N; ++n) {
+          fused::gemm(rows, co_pad, cols, xd + n * x.stride(0) + r0 * in_pos + x_first, in_pos, 1,
+                      go_td + (n * out_pos + first) * co_pad, co_pad, part.data(), co_pad, /*accumulate=*/false);
+          for (int64_t i = 0; i < rows * co_pad; ++i) out[i] += part[i];
+        }
+      }
+    });
+    gw.view({c_out, c_in, taps}).copy_(sums.narrow(2, 0, c_out).permute({2, 1, 0}));
+  }
+}
+
 bool reduced(at::ScalarType t) {
   return t == at::kHalf || t == at::kBFloat16;
 }
@@ -499,7 +616,7 @@ bool gemm_keeps_reduced_dtype(GemmAlgorithm algorithm, const DirectProblem& p, i
 void gemm_backward_cpu(
     GemmAlgorithm algorithm, const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight) {
-  TORCH_INTERNAL_ASSERT(algorithm != GemmAlgorithm::Kn2row || kn2row_applies(p));
+  TORCH_INTERNAL_ASSERT(algorithm == GemmAlgorithm::Im2col || kn2row_applies(p));
   const at::ScalarType dtype = grad_output.scalar_type();
   const bool compute_in_dtype = !reduced(dtype) || gemm_keeps_reduced_dtype(algorithm, p, grad_output.element_size());
   const at::ScalarType compute = compute_in_dtype ? dtype : at::kFloat;
@@ -520,7 +637,14 @@ void gemm_backward_cpu(
     const int64_t c_in = p.in_per_group, c_out = p.out_per_group;
     const at::Tensor go_g = slice(go, 1, g, c_out), x_g = slice(x, 1, g, c_in), w_g = slice(w, 0, g, c_out);
     const at::Tensor gi_g = slice(gi, 1, g, c_in), gw_g = slice(gw, 0, g, c_out);
-    if (algorithm == GemmAlgorithm::Kn2row) {
+    if (algorithm == GemmAlgorithm::Kn2rowPlanes) {
+      TORCH_INTERNAL_ASSERT(compute == at::kFloat || compute == at::kDouble);
+      if (compute == at::kFloat) {
+        kn2row_vectors<float>(group, go_g, x_g, w_g, gi_g, gw_g);
+      } else {
+        kn2row_vectors<double>(group, go_g, x_g, w_g, gi_g, gw_g);
+      }
+    } else if (algorithm == GemmAlgorithm::Kn2row) {
       kn2row_backward(group, go_g, x_g, w_g, gi_g, gw_g);
     } else {
       im2col_backward(group, go_g, x_g, w_g, gi_g, gw_g, p.groups > 1 ? kGroupWorkspaceBytes : kWorkspaceBytes, ws);

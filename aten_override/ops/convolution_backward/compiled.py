@@ -43,7 +43,9 @@ dense                native   dense 1-D/2-D layers, and what the GEMM classes be
                               dilation) kn2row-lanes (``csrc/cpu/kn2row.cpp``: per tap, one product over
                               only the positions where the tap meets the input, on channels-last copies;
                               wav2vec2's positional convolution, 128 taps over 49 frames, and its
-                              feature encoder's stride-2 layers)
+                              feature encoder's stride-2 layers); wherever gemm-kn2row applies,
+                              float32/float64, kn2row-planes (``csrc/cpu/gemm.cpp``: its per-tap products
+                              on the same micro-kernels, in the tensors' own layout)
 transposed           native   no compiled kernel yet
 bias-only            sum      ``output_mask`` asks for neither grad_input nor grad_weight: grad_bias is
                               grad_output's sum (whatever the weight: zero output channels or kernel size too)

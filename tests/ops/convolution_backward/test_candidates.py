@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(compiled.unavailable_reason() is not None, reaso
 # The kernels the autotuner chooses between (not the correctness classes zeros / sum / upcast, nor
 # the autotuner's fake test candidate).
 CANDIDATES = ("native", "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct", "grouped-lanes", "gemm-im2col",
-              "gemm-kn2row", "winograd", "pointwise-fused", "kn2row-lanes", "pointwise-bf16")
+              "gemm-kn2row", "winograd", "pointwise-fused", "kn2row-lanes", "pointwise-bf16", "kn2row-planes")
 
 
 def _call(c_in, c_out, groups, kernel, spatial, *, stride=1, padding=0, dilation=1, batch=2,
@@ -46,7 +46,8 @@ def _call(c_in, c_out, groups, kernel, spatial, *, stride=1, padding=0, dilation
     if channels_last:
         fmt = torch.channels_last if dims == 2 else torch.channels_last_3d
         x, go = x.contiguous(memory_format=fmt), go.contiguous(memory_format=fmt)
-    return (go, x, w, [c_out], [stride] * dims, [padding] * dims, dilation, False, [0] * dims, groups, list(mask))
+    padding = list(padding) if isinstance(padding, tuple) else [padding] * dims
+    return (go, x, w, [c_out], [stride] * dims, padding, dilation, False, [0] * dims, groups, list(mask))
 
 
 def _calls():
@@ -192,6 +193,10 @@ def _calls():
     w3 = torch.randn(8, 8, 3, 1, 1, generator=torch.Generator().manual_seed(1))
     go3 = torch.randn(2, 8, 4, 7, 7, generator=torch.Generator().manual_seed(2))
     calls["3x1x1 (R(2+1)D)"] = (go3, x, w3, [8], [1, 1, 1], [0, 0, 0], [1, 1, 1], False, [0, 0, 0], 1, [True, True, True])
+    # kn2row-planes: several 2,048-column tasks per sample, columns not a whole number of vectors, C_out
+    # padded, a padded tap, dilation
+    calls["3x1x1 p2 d2 20->24 5x30x31 (column blocks)"] = _call(20, 24, 1, (3, 1, 1), (5, 30, 31), padding=(2, 0, 0),
+                                                               dilation=(2, 1, 1))
     # R(2+1)D's spatial 1x3x3 layers: depth folded into the batch
     g = torch.Generator().manual_seed(3)
     x5, w5, go5 = torch.randn(2, 6, 3, 9, 8, generator=g), torch.randn(10, 6, 1, 3, 3, generator=g), torch.randn(2, 10, 3, 9, 8, generator=g)
@@ -858,7 +863,7 @@ def test_depthwise_bands_are_deterministic():
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)) and torch.equal(b.view(torch.int32), c.view(torch.int32))
 
 
-@pytest.mark.parametrize("kernel", ["kn2row-lanes", "gemm-kn2row"])
+@pytest.mark.parametrize("kernel", ["kn2row-lanes", "gemm-kn2row", "kn2row-planes"])
 @pytest.mark.parametrize("stride", [1, 4])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
