@@ -469,10 +469,14 @@ void kn2row_backward(
 }
 
 // grad_input's columns (positions of one sample) per task of kn2row_vectors: several micro-kernel
-// column blocks, and tasks for threads (R(2+1)D's 3x1x1 layers: 8 x 3,136 positions per sample).
-constexpr int64_t kKn2rowColumns = 2048;
-// grad_weight's input channels per task of kn2row_vectors (whole micro-kernel rows).
-constexpr int64_t kKn2rowRows = 16;
+// column blocks, few enough that the task's block of grad_input (C_in x columns, added into once per
+// tap) stays in the L2 (R(2+1)D's 144->64 3x1x1 layer, one Zen 4 thread: 171 ms with 2,048 columns, 161
+// with 512 or 256).
+constexpr int64_t kKn2rowColumns = 512;
+// grad_weight's input channels per task of kn2row_vectors (whole micro-kernel rows). Each task streams
+// the transposed grad_output of its tap once: the fewer tasks per tap, the less it is read (the same
+// layer: 191 ms with 8 rows, 166 with 16, 143 with 32, 133 with 48).
+constexpr int64_t kKn2rowRows = 48;
 
 // The kn2row-planes kernel: Kn2row for one group on fused::gemm's vector micro-kernels instead of BLAS
 // (MKL runs its AVX2 code on AMD CPUs: 57-63 GFLOP/s on R(2+1)D's 3x1x1 layers on a Zen 4 core that
