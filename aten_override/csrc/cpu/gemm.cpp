@@ -15,6 +15,7 @@
 // Kn2row: kernels with more than one tap in a single dim (a 3x1x1 temporal layer, a 1-D layer), stride
 //   1: per tap, one GEMM on shifted views of input / grad_input (no copy at all):
 //   grad_weight[:, :, tap] += go @ input_shifted^T, grad_input_shifted += weight[:, :, tap]^T @ go.
+//   The kn2row-planes kernel computes the same products on our vector micro-kernels (kn2row_planes).
 //
 // Every output element is written by one GEMM call or one thread of col2im, in a fixed order: no
 // atomics, and two runs give the same bits. float16 / bfloat16: the GEMMs run in float32 on float32
@@ -468,12 +469,12 @@ void kn2row_backward(
   if (gw.defined()) gw.view({c_out, c_in, taps}).copy_(acc.permute({1, 2, 0}));
 }
 
-// grad_input's columns (positions of one sample) per task of kn2row_vectors: several micro-kernel
+// grad_input's columns (positions of one sample) per task of kn2row_planes: several micro-kernel
 // column blocks, few enough that the task's block of grad_input (C_in x columns, added into once per
 // tap) stays in the L2 (R(2+1)D's 144->64 3x1x1 layer, one Zen 4 thread: 171 ms with 2,048 columns, 161
 // with 512 or 256).
 constexpr int64_t kKn2rowColumns = 512;
-// grad_weight's input channels per task of kn2row_vectors (whole micro-kernel rows). Each task streams
+// grad_weight's input channels per task of kn2row_planes (whole micro-kernel rows). Each task streams
 // the transposed grad_output of its tap once: the fewer tasks per tap, the less it is read (the same
 // layer: 191 ms with 8 rows, 166 with 16, 143 with 32, 133 with 48).
 constexpr int64_t kKn2rowRows = 48;
@@ -493,7 +494,7 @@ constexpr int64_t kKn2rowRows = 48;
 //     task's sums.
 // Each element is written by one task in a fixed order: the same bits for any thread count.
 template <typename acc_t>
-void kn2row_vectors(
+void kn2row_planes(
     const DirectProblem& p, const at::Tensor& go, const at::Tensor& x, const at::Tensor& w, at::Tensor gi,
     at::Tensor gw) {
   TORCH_INTERNAL_ASSERT(p.groups == 1);
@@ -504,6 +505,10 @@ void kn2row_vectors(
   for (int i = d + 1; i < 3; ++i) inner *= p.in[i];
   const int64_t N = p.batch, c_in = p.in_per_group, c_out = p.out_per_group;
   const int64_t in_pos = in_len * inner, out_pos = out_len * inner;
+  // each sample's channels are rows of its positions (gemm_backward_cpu's contiguous tensors, or their
+  // channel slices)
+  TORCH_INTERNAL_ASSERT((c_out <= 1 || go.stride(1) == out_pos) && (!x.defined() || c_in <= 1 || x.stride(1) == in_pos) &&
+                        (!gi.defined() || c_in <= 1 || gi.stride(1) == in_pos));
   // tap k: outputs [o_begin, o_end) read input o + shift
   struct Tap {
     int64_t shift, o_begin, o_end;
@@ -644,9 +649,9 @@ void gemm_backward_cpu(
     if (algorithm == GemmAlgorithm::Kn2rowPlanes) {
       TORCH_INTERNAL_ASSERT(compute == at::kFloat || compute == at::kDouble);
       if (compute == at::kFloat) {
-        kn2row_vectors<float>(group, go_g, x_g, w_g, gi_g, gw_g);
+        kn2row_planes<float>(group, go_g, x_g, w_g, gi_g, gw_g);
       } else {
-        kn2row_vectors<double>(group, go_g, x_g, w_g, gi_g, gw_g);
+        kn2row_planes<double>(group, go_g, x_g, w_g, gi_g, gw_g);
       }
     } else if (algorithm == GemmAlgorithm::Kn2row) {
       kn2row_backward(group, go_g, x_g, w_g, gi_g, gw_g);
