@@ -28,30 +28,27 @@ struct Cache {
     }
   }
 
+  // The smallest kept block of at least `bytes` and at most twice that, else a new block of `bytes`;
+  // its size into `size`. One lock for a kept block; a new one is allocated outside it.
   void* serve(int64_t bytes, int64_t& size) {
-    void* block = take(bytes, size);
-    if (block == nullptr) {
-      size = bytes;
-      block = c10::alloc_cpu(static_cast<size_t>(size));
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      const auto it = kept.lower_bound(bytes);
+      if (it != kept.end() && it->first <= 2 * bytes) {
+        ++hits;
+        size = it->first;
+        void* block = it->second;
+        kept_bytes -= size;
+        kept.erase(it);
+        report(block, size);
+        return block;
+      }
+      ++misses;
     }
+    size = bytes;
+    void* block = c10::alloc_cpu(static_cast<size_t>(size));
     std::lock_guard<std::mutex> lock(mutex);
     report(block, size);
-    return block;
-  }
-
-  // A kept block of at least `bytes` and at most twice that, or nullptr; its size into `size`.
-  void* take(int64_t bytes, int64_t& size) {
-    std::lock_guard<std::mutex> lock(mutex);
-    const auto it = kept.lower_bound(bytes);
-    if (it == kept.end() || it->first > 2 * bytes) {
-      ++misses;
-      return nullptr;
-    }
-    ++hits;
-    size = it->first;
-    void* block = it->second;
-    kept_bytes -= size;
-    kept.erase(it);
     return block;
   }
 
@@ -112,12 +109,6 @@ Stats stats() {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mutex);
   return Stats{c.kept_bytes, c.limit, c.hits, c.misses};
-}
-
-int64_t limit() {
-  Cache& c = cache();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  return c.limit;
 }
 
 void set_limit(int64_t bytes) {

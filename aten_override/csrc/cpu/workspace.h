@@ -10,7 +10,7 @@
 // A request of at least kMinBytes takes the smallest kept block that holds it and is at most twice its
 // size, or a new block (c10::alloc_cpu: 64-byte aligned, on huge pages where c10's
 // THP_MEM_ALLOC_ENABLE asks for them); smaller requests are at::empty's. When its tensor dies, the block
-// is kept unless that would take the kept bytes over limit() (then it is freed). release() frees the
+// is kept unless that would take the kept bytes over the limit (then it is freed). release() frees the
 // kept blocks; the registration does so when our kernel leaves the dispatcher. Thread-safe: a block
 // serves one tensor at a time.
 #pragma once
@@ -32,14 +32,14 @@ at::Tensor zeros(at::IntArrayRef sizes, const at::TensorOptions& options);
 
 struct Stats {
   int64_t kept_bytes = 0;     // bytes of the blocks kept now (not serving a tensor)
-  int64_t limit_bytes = 0;    // limit()
+  int64_t limit_bytes = 0;    // the most bytes kept (set_limit)
   int64_t hits = 0;           // requests a kept block served
   int64_t misses = 0;         // requests of kMinBytes or more that allocated a block
 };
 Stats stats();
-// The most bytes kept between calls (default 256 MiB: wav2vec2's largest layer at batch 8 keeps 130
-// MiB, R(2+1)D's winograd layers ~150 MiB). 0 keeps nothing: every request allocates afresh.
-int64_t limit();
+// Sets the most bytes kept between calls (default 256 MiB: wav2vec2's largest layer at batch 8 keeps
+// 130 MiB, R(2+1)D's winograd layers ~150 MiB; 0 keeps nothing: every request allocates afresh) and
+// frees the kept blocks over it, largest first.
 void set_limit(int64_t bytes);
 // Frees every kept block; returns their bytes. Blocks serving tensors are freed when those die.
 int64_t release();
