@@ -47,6 +47,11 @@ vary from run to run and dominate a step's noise on a VM. ``--thp`` runs both si
 ``THP_MEM_ALLOC_ENABLE=1`` (large tensors on transparent huge pages: ~20x fewer faults), which
 PyTorch users can set for their own training too.
 
+Each model's report counts the subnormal values among its conv layers' ``grad_output`` in one
+step: arithmetic on them takes a microcode assist on Intel CPUs, in native's kernels and ours alike
+(random-init EfficientNet-B0's gradients underflow: its 1-thread step on a Sapphire Rapids VM took
+3.2 s, 1.3 s with ``torch.set_flush_denormal(True)``). ``--flush-denormal`` times both sides so.
+
 ``--quick`` (under 3 minutes on 2 cores): mobilenet_v2, efficientnet_b0, resnet50 and wav2vec2_base
 at batch 2, 2 threads, 3 rounds of 1 step, 1 traced step per side.
 
@@ -231,6 +236,9 @@ def side(name: str):
 # The step's compute dtype: float32, or bfloat16 under CPU autocast (``--autocast bfloat16``: the
 # convolutions, their backward included, run in bfloat16; the weights and the update stay float32).
 AUTOCAST: torch.dtype | None = None
+# ``--flush-denormal``: torch.set_flush_denormal(True) (x86 FTZ + DAZ) before any thread pool exists:
+# threads inherit the creating thread's floating-point environment, so every thread flushes.
+FLUSH_DENORMAL = False
 
 
 def step(w: Workload, opt: torch.optim.Optimizer) -> None:
@@ -375,7 +383,60 @@ def _compiled_kernel(call) -> str:
     return f"{cls}/{(call.kernel or 'compiled/?').removeprefix('compiled/')}"
 
 
-def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, rounds: int, machine) -> dict:
+@dataclasses.dataclass
+class Subnormals:
+    """How many of the values that reached the conv layers' backward as ``grad_output`` in one step
+    were subnormal (nonzero, below ``torch.finfo(dtype).tiny``), and the layer with the most."""
+
+    values: int = 0
+    subnormal: int = 0
+    worst: str = "-"
+    worst_share: float = 0.0
+
+    @property
+    def share(self) -> float:
+        return self.subnormal / self.values if self.values else 0.0
+
+
+def subnormal_census(w: Workload, opt: torch.optim.Optimizer) -> Subnormals:
+    """One untimed native step that counts the subnormal values of every conv layer's ``grad_output``
+    (a hook on each conv module's output tensor).
+
+    Arithmetic on subnormals takes a microcode assist on Intel CPUs (~100x slower per instruction),
+    in native's kernels and ours alike, so a step whose gradients underflow (random-init EfficientNet:
+    about half of its squeeze-excite gradients) measures the assists more than the kernels;
+    ``--flush-denormal`` times it as with ``torch.set_flush_denormal(True)``."""
+    census = Subnormals()
+
+    def count(name: str):
+        def hook(grad: torch.Tensor) -> None:
+            n = (grad != 0) & (grad.abs() < torch.finfo(grad.dtype).tiny)
+            k = int(n.sum())
+            census.values += grad.numel()
+            census.subnormal += k
+            if grad.numel() and k / grad.numel() > census.worst_share:
+                census.worst, census.worst_share = name, k / grad.numel()
+        return hook
+
+    def on_output(module, args, output) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad and output.dtype.is_floating_point:
+            output.register_hook(count(module._census_name))
+
+    handles = []
+    for name, module in w.model.named_modules():
+        if isinstance(module, nn.modules.conv._ConvNd):
+            module._census_name = name
+            handles.append(module.register_forward_hook(on_output))
+    try:
+        step(w, opt)
+    finally:
+        for h in handles:
+            h.remove()
+    return census
+
+
+def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, rounds: int, machine,
+           subnormals: Subnormals) -> dict:
     """Print one model's result; return its summary row (times in ms, shares in %)."""
     conv_us = {s: sum(layer.us for layer in traces[s][1].values()) for s in SIDES}
     shares = {s: 100 * conv_us[s] / 1e6 / traces[s][0] for s in SIDES}
@@ -391,6 +452,13 @@ def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, r
         + ", ".join(f"{s} {shares[s]:.0f}% of {traces[s][0] * 1e3:.0f} ms" for s in SIDES)
         + f"; its time (the tracer's sum): native {conv_us['native'] / 1e3:.1f} ms, compiled "
         f"{conv_us['compiled'] / 1e3:.1f} ms, ratio {conv_ratio:.2f}"
+    )
+    print(
+        f"subnormal conv grad_output values in a step: {100 * subnormals.share:.2g}% of {subnormals.values:,}"
+        + (f" (most: {_tail(subnormals.worst, 50)}, {100 * subnormals.worst_share:.0f}%)" if subnormals.subnormal else "")
+        + ("; flushed to zero (--flush-denormal)" if FLUSH_DENORMAL else
+           "; each costs a microcode assist on Intel CPUs, natively and ours: see --flush-denormal"
+           if subnormals.share > 0.001 else "")
     )
     native, ours = traces["native"][1], traces["compiled"][1]
     print(f"top {TOP_LAYERS} conv layers by backward time (either side); GFLOP/s and % of roofline (measured peaks) of ours")
@@ -427,6 +495,7 @@ def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, r
         "conv_bwd_ratio": conv_ratio,
         "dtype": str(AUTOCAST or torch.float32).removeprefix("torch."),
         "thp": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
+        "flush_denormal": FLUSH_DENORMAL, "subnormal_grad_output_pct": 100 * subnormals.share,
         "native_faults": statistics.median(FAULTS["native"]) if FAULTS["native"] else float("nan"),
         "compiled_faults": statistics.median(FAULTS["compiled"]) if FAULTS["compiled"] else float("nan"),
     }
@@ -472,6 +541,11 @@ def main(argv: list[str] | None = None) -> int:
         help="back both sides' large tensors with transparent huge pages (c10's THP_MEM_ALLOC_ENABLE=1; the "
         "script re-runs itself with it set): ~20x fewer page faults per step, far less noise on a VM",
     )
+    p.add_argument(
+        "--flush-denormal", action="store_true",
+        help="both sides with torch.set_flush_denormal(True): subnormal values read and computed as zero "
+        "(no microcode assists; what users training with underflowing gradients can set too)",
+    )
     p.add_argument("--csv", type=Path, help="also write the summary rows as CSV")
     args = p.parse_args(argv)
     if args.thp and os.environ.get("THP_MEM_ALLOC_ENABLE") != "1" and argv is None:
@@ -486,8 +560,11 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (1 if quick else 2)
     args.trace_steps = args.trace_steps or (1 if quick else 2)
 
-    global AUTOCAST
+    global AUTOCAST, FLUSH_DENORMAL
     AUTOCAST = getattr(torch, args.autocast) if args.autocast else None
+    if args.flush_denormal and not torch.set_flush_denormal(True):
+        raise SystemExit("bench_training: --flush-denormal: this CPU has no FTZ/DAZ (torch.set_flush_denormal returned False)")
+    FLUSH_DENORMAL = args.flush_denormal
     reason = aten_override.availability().get("compiled")
     if reason:
         raise SystemExit(f"bench_training: the compiled backend is not available: {reason}")
@@ -496,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
         machine = _machine.measure()
         print(_machine.header(machine), flush=True)
+        if FLUSH_DENORMAL:
+            print("subnormal values flushed to zero (torch.set_flush_denormal(True), every thread)", flush=True)
         if AUTOCAST is not None:
             print(f"steps under torch.autocast('cpu', dtype={AUTOCAST})", flush=True)
         thp = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
@@ -508,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             times, ratio = time_interleaved(w, opt, args.rounds, args.steps, args.warmup)
             traces = traced_interleaved(w, opt, args.trace_steps)
-            rows.append(report(w, threads, times, ratio, traces, args.rounds, machine))
+            subnormals = subnormal_census(w, opt)
+            rows.append(report(w, threads, times, ratio, traces, args.rounds, machine, subnormals))
             sys.stdout.flush()
     print_summary(rows)
     if args.csv and rows:

@@ -54,3 +54,28 @@ def test_bench_training_prints_a_ratio_row():
     assert float(row[-1]) > 0, row  # conv backward time, compiled / native
     assert "top 8 conv layers" in out and ("dense" in out or "pointwise" in out), out
     assert "GFLOP/s" in out and "geomean at 1 threads over 1 models: step ratio" in out, out
+
+
+def test_subnormal_census_counts_each_conv_layers_grad_output(monkeypatch):
+    """The census counts exactly the subnormal values of each conv layer's ``grad_output``: the
+    second layer's output is scaled by 1e-39 in the loss (its ``grad_output`` is all subnormal in
+    float32), the first layer's ``grad_output`` is the second's ``grad_input`` (1e-39 times weights of
+    ~0.1 to 1: subnormal or zero, never normal), and a float64 layer (1e-39 is normal there) counts
+    none."""
+    bt = _load_script(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.Conv2d(3, 4, 1))
+    x = torch.randn(2, 2, 6, 6)
+    w = bt.Workload("tiny", model, lambda: (model(x) * 1e-39).sum(), "2x2x6x6")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    census = bt.subnormal_census(w, opt)
+    assert census.values == 2 * 4 * 4 * 4 + 2 * 3 * 4 * 4, census
+    assert census.worst == "1" and census.worst_share == 1.0, census
+    assert 2 * 4 * 4 * 4 < census.subnormal <= census.values, census
+    assert not any(m._forward_hooks for m in model), "the census leaves no hook behind"
+
+    model64 = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3)).double()
+    x64 = x.double()
+    w64 = bt.Workload("tiny64", model64, lambda: (model64(x64) * 1e-39).sum(), "2x2x6x6")
+    census64 = bt.subnormal_census(w64, torch.optim.SGD(model64.parameters(), lr=0.0))
+    assert (census64.values, census64.subnormal, census64.worst) == (2 * 3 * 4 * 4, 0, "-"), census64
