@@ -21,9 +21,11 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -1346,6 +1348,11 @@ double elapsed_us(std::chrono::steady_clock::time_point start) {
 }
 
 
+// How far a candidate's result may be from native's, relative to the result's largest magnitude.
+double relative_tolerance(at::ScalarType dtype) {
+  return dtype == at::kDouble ? 1e-10 : dtype == at::kFloat ? 1e-4 : dtype == at::kHalf ? 4e-3 : 3e-2;
+}
+
 // Why `ours` is not native's result (shape, strides of dims > 1, or values beyond rtol of the result's
 // largest magnitude, room for a different summation order), or nullopt. Any NaN fails.
 std::optional<std::string> differs(const Result& ours, const Result& native, const Mask& mask) {
@@ -1363,7 +1370,7 @@ std::optional<std::string> differs(const Result& ours, const Result& native, con
     }
     if (o[i]->numel() == 0) continue;
     const auto dtype = o[i]->scalar_type();
-    const double rtol = dtype == at::kDouble ? 1e-10 : dtype == at::kFloat ? 1e-4 : dtype == at::kHalf ? 4e-3 : 3e-2;
+    const double rtol = relative_tolerance(dtype);
     // Relative to the result's own scale (no floor: gradients of a mean-reduced loss are tiny, and a
     // candidate returning zeros must not pass as "within 1e-4").
     const at::Tensor ref = n[i]->to(at::kDouble);
@@ -1373,6 +1380,96 @@ std::optional<std::string> differs(const Result& ours, const Result& native, con
   }
   return std::nullopt;
 }
+
+// A power-of-two rescaled copy of `t` whose largest magnitude is in [0.5, 1), with t's sizes and
+// strides (kernels choose their path by layout); undefined where that cannot be made exactly
+// (overlapping or non-dense strides, non-finite or all-zero values).
+at::Tensor normalized_copy(const at::Tensor& t) {
+  if (!t.is_non_overlapping_and_dense() || t.numel() == 0) return {};
+  const double max = t.abs().max().item<double>();
+  if (!std::isfinite(max) || max == 0) return {};
+  int exponent = 0;
+  std::frexp(max, &exponent);
+  at::Tensor copy = at::empty_strided(t.sizes(), t.strides(), t.options());
+  copy.copy_(t);
+  return copy.mul_(std::ldexp(1.0, -exponent));  // exact: a power of two, results far from the range's ends
+}
+
+// Checks a candidate's result against native's (`differs`), with one exception: where the call's
+// values reach the bottom of the dtype's range, results that differ by no more than underflow can
+// explain. Each term of a convolution backward's reductions holds a different grad_output element, so
+// a result sums at most grad_output.numel() products, and each product or partial sum below the
+// smallest normal number (finfo.tiny) loses up to tiny (flushed to zero under FTZ/DAZ, rounded to a
+// subnormal otherwise). Random-init EfficientNet-B0's squeeze-excite gradients are ~1e-37: each kernel
+// sums them in its own order, its grad_weight differs from native's by 4% of its largest magnitude, and
+// every candidate was rejected as wrong. Such a difference is accepted only if the same kernel then
+// matches native within the dtype's rtol on a power-of-two rescaled copy of the call (largest
+// magnitudes in [0.5, 1): no underflow, the same layout; the gradients scale exactly), so a kernel that
+// returns zeros, or anything else wrong, still fails.
+class Verifier {
+ public:
+  Verifier(const Args& a, const Expanded& e, Kernel base, const Result& reference)
+      : a_(a), e_(e), base_(base), reference_(reference) {}
+
+  std::optional<std::string> operator()(Kernel k, const Result& ours, const Mask& mask) {
+    auto why = differs(ours, reference_, mask);
+    if (!why || !within_underflow(ours, mask)) return why;
+    if (!rescaled_ && !rescale()) return *why + "; cannot rescale the call (overlapping strides, non-finite or all-zero values)";
+    if (!rescaled_->reference) return *why + "; native declined the rescaled call";
+    const Args scaled = with_mask(*rescaled_->args, mask);
+    auto result = run_kernel(k, scaled, e_);
+    if (!result) return *why + "; declined the rescaled call";
+    if (auto scaled_why = differs(*result, *rescaled_->reference, mask)) {
+      return *why + "; on the call rescaled out of the underflow range: " + *scaled_why;
+    }
+    return std::nullopt;
+  }
+
+ private:
+  struct Rescaled {
+    at::Tensor grad_output, input, weight;
+    std::optional<Args> args;
+    std::optional<Result> reference;
+  };
+
+  // Every requested result within grad_output.numel() x 2 x finfo.tiny of native's, or within the
+  // dtype's rtol of its largest magnitude (`differs`' test: a result far from the underflow range).
+  bool within_underflow(const Result& ours, const Mask& mask) const {
+    const double tiny = a_.grad_output.scalar_type() == at::kDouble ? std::numeric_limits<double>::min()
+        : a_.grad_output.scalar_type() == at::kFloat ? std::numeric_limits<float>::min()
+        : a_.grad_output.scalar_type() == at::kHalf ? 6.103515625e-05  // 2^-14
+        : static_cast<double>(std::numeric_limits<float>::min());  // bfloat16: float32's exponent range
+    const double bound = 2.0 * static_cast<double>(a_.grad_output.numel()) * tiny;
+    const at::Tensor* o[] = {&std::get<0>(ours), &std::get<1>(ours), &std::get<2>(ours)};
+    const at::Tensor* n[] = {&std::get<0>(reference_), &std::get<1>(reference_), &std::get<2>(reference_)};
+    for (int i = 0; i < 3; ++i) {
+      if (!mask[i] || !o[i]->defined() || !n[i]->defined() || o[i]->numel() == 0) continue;
+      const at::Tensor ref = n[i]->to(at::kDouble);
+      const double err = (o[i]->to(at::kDouble) - ref).abs().max().item<double>();
+      const double scale = ref.abs().max().item<double>();
+      if (!(err <= std::max(bound, relative_tolerance(o[i]->scalar_type()) * scale))) return false;
+    }
+    return true;
+  }
+
+  bool rescale() {
+    at::Tensor grad_output = normalized_copy(a_.grad_output), input = normalized_copy(a_.input),
+               weight = normalized_copy(a_.weight);
+    if (!grad_output.defined() || !input.defined() || !weight.defined()) return false;
+    rescaled_.emplace(Rescaled{std::move(grad_output), std::move(input), std::move(weight), {}, {}});
+    rescaled_->args.emplace(Args{rescaled_->grad_output, rescaled_->input, rescaled_->weight, a_.bias_sizes,
+                                 a_.stride, a_.padding, a_.dilation, a_.transposed, a_.output_padding, a_.groups,
+                                 a_.output_mask});
+    rescaled_->reference = run_kernel(base_, *rescaled_->args, e_);
+    return true;
+  }
+
+  const Args& a_;
+  const Expanded& e_;
+  Kernel base_;
+  const Result& reference_;
+  std::optional<Rescaled> rescaled_;
+};
 
 // A candidate that is not this much faster than native does not win (timing noise).
 constexpr double kWinMargin = 0.97;
@@ -1418,7 +1515,7 @@ class CacheFlush {
 // or native's less kWinMargin), the split wins. Each part is checked against native's result.
 void tune_split(
     const Args& a, const Expanded& e, const std::vector<Kernel>& candidates, const std::vector<bool>& alive,
-    const Result& reference, double best, CacheFlush& flush, Tuned& out) {
+    Verifier& verify, double best, CacheFlush& flush, Tuned& out) {
   const Mask parts[2] = {grad_input_part(a.output_mask), grad_weight_part(a.output_mask)};
   const char* labels[2] = {"grad_input:", "grad_weight:"};
   size_t alive_count = 0;
@@ -1436,7 +1533,7 @@ void tune_split(
         const auto t0 = std::chrono::steady_clock::now();
         auto result = run_kernel(candidates[i], sub, e);
         const double t = elapsed_us(t0);
-        if (round == 0 && (!result || differs(*result, reference, parts[part]))) {
+        if (round == 0 && (!result || verify(candidates[i], *result, parts[part]))) {
           fastest[part][i] = NAN;  // never chosen for this part
           continue;
         }
@@ -1473,6 +1570,7 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
   // Native's (base's) first run is the reference and is not timed: it pays oneDNN's primitive
   // creation, which would make a warm native look slow. Base is timed in every round, never dropped.
   const Result reference = *run_kernel(base, a, e);
+  Verifier verify(a, e, base, reference);
   CacheFlush flush(a);
   flush();
   auto t0 = std::chrono::steady_clock::now();
@@ -1488,7 +1586,7 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
       alive[i] = false;
       out.rejected.emplace_back(name, "declined the call (non-finite values)");
       out.inconclusive = true;
-    } else if (auto why = differs(*result, reference, a.output_mask)) {
+    } else if (auto why = verify(candidates[i], *result, a.output_mask)) {
       alive[i] = false;
       out.rejected.emplace_back(name, "wrong: " + *why);
     } else {
@@ -1532,7 +1630,7 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
       out.choice = Choice::whole(candidates[i]);
     }
   }
-  if (a.output_mask[0] && a.output_mask[1]) tune_split(a, e, candidates, alive, reference, best, flush, out);
+  if (a.output_mask[0] && a.output_mask[1]) tune_split(a, e, candidates, alive, verify, best, flush, out);
   out.tune_us = elapsed_us(start);
   return out;
 }

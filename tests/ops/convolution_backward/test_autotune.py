@@ -100,10 +100,25 @@ def test_native_wins_when_every_candidate_is_slower():
     assert_parts_timed(entry["times_us"])
 
 
-@pytest.mark.parametrize("scale", [1.0, 1e-6], ids=["unit", "tiny"])
-def test_a_wrong_candidate_never_wins(scale):
+@pytest.fixture
+def flush_denormal():
+    """``torch.set_flush_denormal(True)`` (FTZ/DAZ) for the test, restored after. MXCSR is per thread
+    and the test runs at one thread (a pool's worker threads keep their own)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no FTZ/DAZ")
+    yield
+    torch.set_flush_denormal(False)
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-6, 1e-36], ids=["unit", "tiny", "underflow"])
+def test_a_wrong_candidate_never_wins(scale, flush_denormal):
     """The fake 'wrong' candidate returns zeros at once: the fastest, and rejected as wrong, also on
-    the tiny gradients of a mean-reduced loss (the check is relative to the result's own scale)."""
+    the tiny gradients of a mean-reduced loss (the check is relative to the result's own scale) and on
+    gradients at the bottom of float32's range, where results within underflow's error of native's
+    are rechecked on the call rescaled to unit magnitude (zeros fail there)."""
     compiled.extension().set_test_candidate("wrong")
     go, *rest = depthwise_call(16, 12)
     args = (go * scale, *rest)
@@ -114,6 +129,39 @@ def test_a_wrong_candidate_never_wins(scale):
     # its zeros are wrong for each gradient alone too: never part of a split
     assert not any(name.endswith(":test") for name in entry["times_us"]), entry
     check_against_native(ours, call_native(args), output_mask=args[-1])
+
+
+@pytest.mark.parametrize("layer", ["depthwise 5x5", "pointwise"])
+def test_underflowing_gradients_do_not_reject_right_candidates(layer, flush_denormal):
+    """Gradients at the bottom of float32's range under FTZ/DAZ (random-init EfficientNet-B0's
+    squeeze-excite gradients are ~1e-37): each kernel sums in its own order and flushes different
+    partial sums, so its grad_weight differs from native's by far more than 1e-4 of its magnitude
+    (up to ~4%). Every candidate was rejected as wrong and native served these layers at 5-16x our
+    kernels' time. Differences that underflow explains pass when the kernel matches native on the call
+    rescaled out of the underflow range; the served results are still checked against native here."""
+    g = torch.Generator().manual_seed(5)
+    if layer == "pointwise":
+        x, w = torch.randn(4, 24, 14, 14, generator=g), torch.randn(48, 24, 1, 1, generator=g)
+        go = torch.randn(4, 48, 14, 14, generator=g) * 1e-37
+        args = (go, x, w, [48], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, True])
+    else:
+        x, w = torch.randn(4, 40, 14, 14, generator=g), torch.randn(40, 1, 5, 5, generator=g)
+        go = torch.randn(4, 40, 14, 14, generator=g) * 1e-37
+        args = (go, x, w, [40], [1, 1], [2, 2], [1, 1], False, [0, 0], 40, [True, True, True])
+    unit = (go * 1e37, *args[1:])  # the same signature: served by the tuned choice
+    with aten_override.enable("compiled", autotune=True):
+        ours = _OP(*args)
+        ours_unit = _OP(*unit)
+    check_against_native(ours_unit, call_native(unit), output_mask=args[-1])
+    entry = tuned_entry(args)
+    wrong = {name: why for name, why in entry["rejected"].items() if why.startswith("wrong")}
+    assert not wrong, entry
+    assert {name for name in entry["times_us"] if ":" not in name} - {"native"}, entry  # ours competed
+    native = call_native(args)
+    for i, (o, n) in enumerate(zip(ours, native)):
+        # within underflow's error: at most grad_output.numel() flushed terms of < finfo.tiny each
+        torch.testing.assert_close(o, n, rtol=1e-4, atol=go.numel() * 2 * torch.finfo(torch.float32).tiny)
+        assert o.stride() == n.stride(), i
 
 
 def test_concurrent_first_calls_tune_once():
