@@ -71,7 +71,7 @@ def test_subnormal_census_counts_each_conv_layers_grad_output(monkeypatch):
     census = bt.subnormal_census(w, opt)
     assert census.values == 2 * 4 * 4 * 4 + 2 * 3 * 4 * 4, census
     assert census.worst == "1" and census.worst_share == 1.0, census
-    assert 2 * 4 * 4 * 4 < census.subnormal <= census.values, census
+    assert 2 * 4 * 4 * 4 < census.subnormal <= census.near <= census.values, census
     assert not any(m._forward_hooks for m in model), "the census leaves no hook behind"
 
     model64 = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3)).double()
@@ -79,3 +79,10 @@ def test_subnormal_census_counts_each_conv_layers_grad_output(monkeypatch):
     w64 = bt.Workload("tiny64", model64, lambda: (model64(x64) * 1e-39).sum(), "2x2x6x6")
     census64 = bt.subnormal_census(w64, torch.optim.SGD(model64.parameters(), lr=0.0))
     assert (census64.values, census64.subnormal, census64.worst) == (2 * 3 * 4 * 4, 0, "-"), census64
+    # 1e-39 is far above float64's 2^24 x tiny (~4e-301): not near either
+    assert census64.near == 0, census64
+
+    # float32 values of 1e-35 are normal but within 2^24 x tiny (~2e-31) of the subnormal range
+    w35 = bt.Workload("near", model, lambda: (model(x) * 1e-35).sum(), "2x2x6x6")
+    census35 = bt.subnormal_census(w35, opt)
+    assert census35.near >= 2 * 4 * 4 * 4 and census35.subnormal < census35.near, census35
