@@ -48,9 +48,11 @@ vary from run to run and dominate a step's noise on a VM. ``--thp`` runs both si
 PyTorch users can set for their own training too.
 
 Each model's report counts the subnormal values among its conv layers' ``grad_output`` in one
-step: arithmetic on them takes a microcode assist on Intel CPUs, in native's kernels and ours alike
-(random-init EfficientNet-B0's gradients underflow: its 1-thread step on a Sapphire Rapids VM took
-3.2 s, 1.3 s with ``torch.set_flush_denormal(True)``). ``--flush-denormal`` times both sides so.
+step, and those within 2^24 of the subnormal range (their products with small weights and inputs are
+subnormal): arithmetic with a subnormal operand or result takes a microcode assist on Intel CPUs, in
+native's kernels and ours alike (random-init EfficientNet-B0's gradients underflow: its native
+1-thread step on a Sapphire Rapids VM took 2.9 s, 0.85 s with ``torch.set_flush_denormal(True)``).
+``--flush-denormal`` times both sides flushed.
 
 ``--quick`` (under 3 minutes on 2 cores): mobilenet_v2, efficientnet_b0, resnet50 and wav2vec2_base
 at batch 2, 2 threads, 3 rounds of 1 step, 1 traced step per side.
@@ -415,7 +417,8 @@ def subnormal_census(w: Workload, opt: torch.optim.Optimizer) -> Subnormals:
 
     Arithmetic on subnormals takes a microcode assist on Intel CPUs (~100x slower per instruction),
     in native's kernels and ours alike, so a step whose gradients underflow (random-init EfficientNet:
-    about half of its squeeze-excite gradients) measures the assists more than the kernels;
+    its squeeze-excite layers' gradients are ~1e-37, up to 98% of one layer's subnormal, 15% of all
+    values within 2^24 of the range) measures the assists more than the kernels;
     ``--flush-denormal`` times it as with ``torch.set_flush_denormal(True)``."""
     census = Subnormals()
 

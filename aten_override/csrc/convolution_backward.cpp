@@ -1306,7 +1306,9 @@ struct Tuned {
   std::vector<std::pair<std::string, double>> times_us;  // candidate -> fastest run, microseconds (tuned here)
   std::vector<std::pair<std::string, std::string>> rejected;  // candidate -> why it could not win
   double tune_us = 0;                                     // what tuning cost, microseconds (0: loaded)
-  bool inconclusive = false;  // a candidate declined the call's values (inf / NaN): it could not be timed
+  // a candidate declined the call's values (inf / NaN): it could not be timed; or a requested result
+  // of native's is all zeros: a candidate's could not be checked
+  bool inconclusive = false;
 };
 
 // Tunings of a signature that are not stored while a candidate declines its calls' values: a first call
@@ -1382,17 +1384,23 @@ std::optional<std::string> differs(const Result& ours, const Result& native, con
 }
 
 // A power-of-two rescaled copy of `t` whose largest magnitude is in [0.5, 1), with t's sizes and
-// strides (kernels choose their path by layout); undefined where that cannot be made exactly
-// (overlapping or non-dense strides, non-finite or all-zero values).
+// strides (kernels choose their path by layout); `t` itself where it is all zeros. Undefined where
+// that cannot be made exactly: non-dense strides, non-finite values, or values so far below the
+// largest that the rescaled copy would round them (a range wider than the dtype's).
 at::Tensor normalized_copy(const at::Tensor& t) {
-  if (!t.is_non_overlapping_and_dense() || t.numel() == 0) return {};
-  const double max = t.abs().max().item<double>();
-  if (!std::isfinite(max) || max == 0) return {};
+  if (!t.is_non_overlapping_and_dense()) return {};
+  if (t.numel() == 0) return t;
+  const at::Tensor wide = t.to(at::kDouble);
+  const double max = wide.abs().max().item<double>();
+  if (!std::isfinite(max)) return {};
+  if (max == 0) return t;
   int exponent = 0;
   std::frexp(max, &exponent);
+  // the factor in float64: 2^-exponent can be out of the dtype's own range (float32 below 2^-126)
   at::Tensor copy = at::empty_strided(t.sizes(), t.strides(), t.options());
-  copy.copy_(t);
-  return copy.mul_(std::ldexp(1.0, -exponent));  // exact: a power of two, results far from the range's ends
+  copy.copy_(wide.mul(std::ldexp(1.0, -exponent)));
+  if (!copy.to(at::kDouble).mul_(std::ldexp(1.0, exponent)).equal(wide)) return {};
+  return copy;
 }
 
 // Checks a candidate's result against native's (`differs`), with one exception: where the call's
@@ -1404,8 +1412,10 @@ at::Tensor normalized_copy(const at::Tensor& t) {
 // sums them in its own order, its grad_weight differs from native's by 4% of its largest magnitude, and
 // every candidate was rejected as wrong. Such a difference is accepted only if the same kernel then
 // matches native within the dtype's rtol on a power-of-two rescaled copy of the call (largest
-// magnitudes in [0.5, 1): no underflow, the same layout; the gradients scale exactly), so a kernel that
-// returns zeros, or anything else wrong, still fails.
+// magnitudes in [0.5, 1), the same layout; the gradients scale exactly), so a kernel that returns
+// zeros, or anything else wrong, still fails. Where no exact copy exists (a tensor whose values span
+// more than the dtype's range: rescaled, its small values would round to zero, and native's result
+// with them) the difference stays a rejection.
 class Verifier {
  public:
   Verifier(const Args& a, const Expanded& e, Kernel base, const Result& reference)
@@ -1414,7 +1424,10 @@ class Verifier {
   std::optional<std::string> operator()(Kernel k, const Result& ours, const Mask& mask) {
     auto why = differs(ours, reference_, mask);
     if (!why || !within_underflow(ours, mask)) return why;
-    if (!rescaled_ && !rescale()) return *why + "; cannot rescale the call (overlapping strides, non-finite or all-zero values)";
+    if (!rescale()) {
+      return *why + "; the call cannot be rescaled exactly (non-dense strides, non-finite values, or a tensor's "
+                    "values spanning more than the dtype's range)";
+    }
     if (!rescaled_->reference) return *why + "; native declined the rescaled call";
     const Args scaled = with_mask(*rescaled_->args, mask);
     auto result = run_kernel(k, scaled, e_);
@@ -1426,6 +1439,15 @@ class Verifier {
   }
 
  private:
+  // Whether the rescaled call exists (made on first need, tried once).
+  bool rescale() {
+    if (!rescale_tried_) {
+      rescale_tried_ = true;
+      make_rescaled();
+    }
+    return rescaled_.has_value();
+  }
+
   struct Rescaled {
     at::Tensor grad_output, input, weight;
     std::optional<Args> args;
@@ -1435,15 +1457,17 @@ class Verifier {
   // Every requested result within grad_output.numel() x 2 x finfo.tiny of native's, or within the
   // dtype's rtol of its largest magnitude (`differs`' test: a result far from the underflow range).
   bool within_underflow(const Result& ours, const Mask& mask) const {
+    // float16 / bfloat16 kernels accumulate in float32: float32's underflow (a float16 result near
+    // its own subnormal range is judged by rtol alone, as before)
     const double tiny = a_.grad_output.scalar_type() == at::kDouble ? std::numeric_limits<double>::min()
-        : a_.grad_output.scalar_type() == at::kFloat ? std::numeric_limits<float>::min()
-        : a_.grad_output.scalar_type() == at::kHalf ? 6.103515625e-05  // 2^-14
-        : static_cast<double>(std::numeric_limits<float>::min());  // bfloat16: float32's exponent range
+                                                                     : std::numeric_limits<float>::min();
     const double bound = 2.0 * static_cast<double>(a_.grad_output.numel()) * tiny;
     const at::Tensor* o[] = {&std::get<0>(ours), &std::get<1>(ours), &std::get<2>(ours)};
     const at::Tensor* n[] = {&std::get<0>(reference_), &std::get<1>(reference_), &std::get<2>(reference_)};
     for (int i = 0; i < 3; ++i) {
-      if (!mask[i] || !o[i]->defined() || !n[i]->defined() || o[i]->numel() == 0) continue;
+      if (!mask[i]) continue;
+      if (!o[i]->defined() || !n[i]->defined() || o[i]->sizes() != n[i]->sizes()) return false;
+      if (o[i]->numel() == 0) continue;
       const at::Tensor ref = n[i]->to(at::kDouble);
       const double err = (o[i]->to(at::kDouble) - ref).abs().max().item<double>();
       const double scale = ref.abs().max().item<double>();
@@ -1452,22 +1476,22 @@ class Verifier {
     return true;
   }
 
-  bool rescale() {
+  void make_rescaled() {
     at::Tensor grad_output = normalized_copy(a_.grad_output), input = normalized_copy(a_.input),
                weight = normalized_copy(a_.weight);
-    if (!grad_output.defined() || !input.defined() || !weight.defined()) return false;
+    if (!grad_output.defined() || !input.defined() || !weight.defined()) return;
     rescaled_.emplace(Rescaled{std::move(grad_output), std::move(input), std::move(weight), {}, {}});
     rescaled_->args.emplace(Args{rescaled_->grad_output, rescaled_->input, rescaled_->weight, a_.bias_sizes,
                                  a_.stride, a_.padding, a_.dilation, a_.transposed, a_.output_padding, a_.groups,
                                  a_.output_mask});
     rescaled_->reference = run_kernel(base_, *rescaled_->args, e_);
-    return true;
   }
 
   const Args& a_;
   const Expanded& e_;
   Kernel base_;
   const Result& reference_;
+  bool rescale_tried_ = false;
   std::optional<Rescaled> rescaled_;
 };
 
@@ -1570,6 +1594,18 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
   // Native's (base's) first run is the reference and is not timed: it pays oneDNN's primitive
   // creation, which would make a warm native look slow. Base is timed in every round, never dropped.
   const Result reference = *run_kernel(base, a, e);
+  // A requested result that is all zeros (an all-zero grad_output: below a zero-initialised head, on
+  // the first step) tells a right kernel from one that returns zeros no better than nothing: the
+  // choice serves this call but does not pin the signature (tuned again on the next call, as a call
+  // with non-finite values is).
+  {
+    const at::Tensor* parts[] = {&std::get<0>(reference), &std::get<1>(reference), &std::get<2>(reference)};
+    for (int i = 0; i < 3; ++i) {
+      if (a.output_mask[i] && parts[i]->defined() && parts[i]->numel() > 0 && !parts[i]->any().item<bool>()) {
+        out.inconclusive = true;
+      }
+    }
+  }
   Verifier verify(a, e, base, reference);
   CacheFlush flush(a);
   flush();

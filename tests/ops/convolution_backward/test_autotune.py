@@ -113,12 +113,18 @@ def flush_denormal():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("scale", [1.0, 1e-6, 1e-36], ids=["unit", "tiny", "underflow"])
-def test_a_wrong_candidate_never_wins(scale, flush_denormal):
+@pytest.mark.parametrize(
+    "scale,flush", [(1.0, False), (1e-6, False), (1e-36, True), (1e-41, False)],
+    ids=["unit", "tiny", "underflow under FTZ", "subnormal"],
+)
+def test_a_wrong_candidate_never_wins(scale, flush, request):
     """The fake 'wrong' candidate returns zeros at once: the fastest, and rejected as wrong, also on
     the tiny gradients of a mean-reduced loss (the check is relative to the result's own scale) and on
     gradients at the bottom of float32's range, where results within underflow's error of native's
-    are rechecked on the call rescaled to unit magnitude (zeros fail there)."""
+    are rechecked on the call rescaled to unit magnitude (zeros fail there); subnormal values need FTZ
+    off (under it, they are zeros)."""
+    if flush:
+        request.getfixturevalue("flush_denormal")
     compiled.extension().set_test_candidate("wrong")
     go, *rest = depthwise_call(16, 12)
     args = (go * scale, *rest)
@@ -126,9 +132,55 @@ def test_a_wrong_candidate_never_wins(scale, flush_denormal):
         ours = _OP(*args)
     entry = tuned_entry(args)
     assert "test" not in entry["kernel"].split("+") and entry["rejected"]["test"].startswith("wrong:"), entry
+    # the rescaled call's factor (2^133 at 1e-41) is out of float32's range: computed in float64, no NaN
+    assert "nan" not in entry["rejected"]["test"], entry
     # its zeros are wrong for each gradient alone too: never part of a split
     assert not any(name.endswith(":test") for name in entry["times_us"]), entry
     check_against_native(ours, call_native(args), output_mask=args[-1])
+
+
+def test_a_wrong_candidate_never_wins_where_the_call_cannot_be_rescaled_exactly(flush_denormal):
+    """A tensor whose values span more than float32's range (1e21 and 1e-19 in one grad_output, an
+    input of zeros and 4e-19) cannot be rescaled to unit magnitude without rounding its small values
+    to zero, and native's result on such a copy is zeros too: the fake zeros candidate must stay
+    rejected (it won, and then served zeros for ordinary calls of the signature, when the copy was
+    taken as exact)."""
+    compiled.extension().set_test_candidate("wrong")
+    c, size = 16, 12
+    g = torch.Generator().manual_seed(0)
+    go = torch.zeros(2, c, size, size)
+    go[0, :, 6, 6] = 1e21
+    go[1] = torch.randn(c, size, size, generator=g) * 1e-19
+    x = torch.zeros(2, c, size, size)
+    x[1] = torch.randn(c, size, size, generator=g) * 4e-19
+    w = torch.randn(c, 1, 3, 3, generator=g)
+    conv = ([1, 1], [1, 1], [1, 1], False, [0, 0], c, [False, True, False])
+    args = (go, x, w, None, *conv)
+    ordinary = (torch.randn(2, c, size, size, generator=g), torch.randn(2, c, size, size, generator=g), w, None, *conv)
+    with aten_override.enable("compiled", autotune=True):
+        _OP(*args)
+        ours = _OP(*ordinary)
+    entry = tuned_entry(args)
+    assert "test" not in entry["kernel"].split("+"), entry
+    assert "cannot be rescaled exactly" in entry["rejected"]["test"], entry
+    check_against_native(ours, call_native(ordinary), output_mask=conv[-1])
+
+
+def test_an_all_zero_result_does_not_pin_the_signature():
+    """An all-zero grad_output (below a zero-initialised head, on the first step) makes every result
+    zeros: the fake zeros candidate cannot be told from a right kernel, so the call is served but its
+    signature is tuned again on the next call, where the zeros candidate is rejected."""
+    compiled.extension().set_test_candidate("wrong")
+    go, *rest = depthwise_call(16, 12)
+    zero = (torch.zeros_like(go), *rest)
+    with aten_override.enable("compiled", autotune=True):
+        served = _OP(*zero)
+        assert not [e for e in autotune.entries() if e["tune_us"] > 0], autotune.entries()
+        ours = _OP(go, *rest)
+    check_against_native(served, call_native(zero), output_mask=rest[-1])
+    entry = tuned_entry((go, *rest))
+    assert "test" not in entry["kernel"].split("+") and entry["rejected"]["test"].startswith("wrong:"), entry
+    check_against_native(ours, call_native((go, *rest)), output_mask=rest[-1])
 
 
 @pytest.mark.parametrize("layer", ["depthwise 5x5", "pointwise"])
