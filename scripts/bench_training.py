@@ -426,11 +426,11 @@ def subnormal_census(w: Workload, opt: torch.optim.Optimizer) -> Subnormals:
         def hook(grad: torch.Tensor) -> None:
             tiny = torch.finfo(grad.dtype).tiny
             magnitude = grad.abs()
-            n = (grad != 0) & (magnitude < tiny)
-            k = int(n.sum())
+            nonzero = magnitude != 0
+            k = int((nonzero & (magnitude < tiny)).sum())
             census.values += grad.numel()
             census.subnormal += k
-            census.near += int(((grad != 0) & (magnitude < tiny * NEAR_SUBNORMAL)).sum())
+            census.near += int((nonzero & (magnitude < tiny * NEAR_SUBNORMAL)).sum())
             if grad.numel() and k / grad.numel() > census.worst_share:
                 census.worst, census.worst_share = name, k / grad.numel()
         return hook

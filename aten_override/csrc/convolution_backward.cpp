@@ -1355,11 +1355,16 @@ double relative_tolerance(at::ScalarType dtype) {
   return dtype == at::kDouble ? 1e-10 : dtype == at::kFloat ? 1e-4 : dtype == at::kHalf ? 4e-3 : 3e-2;
 }
 
+// grad_input, grad_weight, grad_bias of a result, indexable as its output_mask is.
+std::array<const at::Tensor*, 3> result_parts(const Result& r) {
+  return {&std::get<0>(r), &std::get<1>(r), &std::get<2>(r)};
+}
+
 // Why `ours` is not native's result (shape, strides of dims > 1, or values beyond rtol of the result's
-// largest magnitude, room for a different summation order), or nullopt. Any NaN fails.
-std::optional<std::string> differs(const Result& ours, const Result& native, const Mask& mask) {
-  const at::Tensor* o[] = {&std::get<0>(ours), &std::get<1>(ours), &std::get<2>(ours)};
-  const at::Tensor* n[] = {&std::get<0>(native), &std::get<1>(native), &std::get<2>(native)};
+// largest magnitude, room for a different summation order, and beyond `atol`), or nullopt. Any NaN
+// fails.
+std::optional<std::string> differs(const Result& ours, const Result& native, const Mask& mask, double atol = 0) {
+  const auto o = result_parts(ours), n = result_parts(native);
   const char* names[] = {"grad_input", "grad_weight", "grad_bias"};
   for (int i = 0; i < 3; ++i) {
     if (!mask[i]) continue;
@@ -1378,7 +1383,9 @@ std::optional<std::string> differs(const Result& ours, const Result& native, con
     const at::Tensor ref = n[i]->to(at::kDouble);
     const double scale = ref.abs().max().item<double>();
     const double err = (o[i]->to(at::kDouble) - ref).abs().max().item<double>();
-    if (!(err <= rtol * scale)) return c10::str(names[i], " max error ", err, " > ", rtol, " x scale ", scale);
+    if (!(err <= std::max(atol, rtol * scale))) {
+      return c10::str(names[i], " max error ", err, " > ", rtol, " x scale ", scale);
+    }
   }
   return std::nullopt;
 }
@@ -1423,7 +1430,7 @@ class Verifier {
 
   std::optional<std::string> operator()(Kernel k, const Result& ours, const Mask& mask) {
     auto why = differs(ours, reference_, mask);
-    if (!why || !within_underflow(ours, mask)) return why;
+    if (!why || differs(ours, reference_, mask, underflow_bound())) return why;
     if (!rescale()) {
       return *why + "; the call cannot be rescaled exactly (non-dense strides, non-finite values, or a tensor's "
                     "values spanning more than the dtype's range)";
@@ -1454,26 +1461,13 @@ class Verifier {
     std::optional<Result> reference;
   };
 
-  // Every requested result within grad_output.numel() x 2 x finfo.tiny of native's, or within the
-  // dtype's rtol of its largest magnitude (`differs`' test: a result far from the underflow range).
-  bool within_underflow(const Result& ours, const Mask& mask) const {
-    // float16 / bfloat16 kernels accumulate in float32: float32's underflow (a float16 result near
-    // its own subnormal range is judged by rtol alone, as before)
+  // How far underflow can take a result from native's: grad_output.numel() terms, each losing up to
+  // finfo.tiny twice (its product, its partial sum). float16 / bfloat16 kernels accumulate in float32:
+  // float32's tiny (a float16 result near its own subnormal range is judged by rtol alone).
+  double underflow_bound() const {
     const double tiny = a_.grad_output.scalar_type() == at::kDouble ? std::numeric_limits<double>::min()
                                                                      : std::numeric_limits<float>::min();
-    const double bound = 2.0 * static_cast<double>(a_.grad_output.numel()) * tiny;
-    const at::Tensor* o[] = {&std::get<0>(ours), &std::get<1>(ours), &std::get<2>(ours)};
-    const at::Tensor* n[] = {&std::get<0>(reference_), &std::get<1>(reference_), &std::get<2>(reference_)};
-    for (int i = 0; i < 3; ++i) {
-      if (!mask[i]) continue;
-      if (!o[i]->defined() || !n[i]->defined() || o[i]->sizes() != n[i]->sizes()) return false;
-      if (o[i]->numel() == 0) continue;
-      const at::Tensor ref = n[i]->to(at::kDouble);
-      const double err = (o[i]->to(at::kDouble) - ref).abs().max().item<double>();
-      const double scale = ref.abs().max().item<double>();
-      if (!(err <= std::max(bound, relative_tolerance(o[i]->scalar_type()) * scale))) return false;
-    }
-    return true;
+    return 2.0 * static_cast<double>(a_.grad_output.numel()) * tiny;
   }
 
   void make_rescaled() {
@@ -1598,12 +1592,10 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
   // the first step) tells a right kernel from one that returns zeros no better than nothing: the
   // choice serves this call but does not pin the signature (tuned again on the next call, as a call
   // with non-finite values is).
-  {
-    const at::Tensor* parts[] = {&std::get<0>(reference), &std::get<1>(reference), &std::get<2>(reference)};
-    for (int i = 0; i < 3; ++i) {
-      if (a.output_mask[i] && parts[i]->defined() && parts[i]->numel() > 0 && !parts[i]->any().item<bool>()) {
-        out.inconclusive = true;
-      }
+  const auto parts = result_parts(reference);
+  for (int i = 0; i < 3; ++i) {
+    if (a.output_mask[i] && parts[i]->defined() && parts[i]->numel() > 0 && !parts[i]->any().item<bool>()) {
+      out.inconclusive = true;
     }
   }
   Verifier verify(a, e, base, reference);
