@@ -38,6 +38,10 @@
 
 #include <unistd.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace aten_override {
 
 int64_t cache_bytes(int level) {
@@ -1502,27 +1506,71 @@ constexpr double kSlowCutoff = 2.0;
 
 // Tuning times a call's kernels on the call's own tensors, over and over; in a training step the
 // call's tensors arrive from memory, its caches full of other layers' data. Where the tensors would
-// otherwise stay cached between runs, each timed run starts with the caches flushed (a buffer
-// larger than the last-level cache written): measured warm, gemm-im2col beat native's Slow2d on
-// MobileNetV2's 56x56 1x1 layers and lost to it by 10-17% in the step.
+// otherwise stay cached between runs, each timed run starts with them evicted from every cache level,
+// and each run's results are evicted before they are freed (their memory holds the next run's
+// results, cold in a step): measured warm, gemm-im2col beat native's Slow2d on MobileNetV2's 56x56
+// 1x1 layers and lost to it by 10-17% in the step.
+// Evicting exactly those lines (clflushopt) costs what the tensors' size costs. Writing a buffer twice
+// the last-level cache before every run (at most 128 MiB; kept where the CPU has no clflushopt) took
+// ~10 ms a run on a VM that reports a 480 MiB L3: ~0.3 s per tuned signature however small its call,
+// and EfficientNet-B0's first bfloat16 step took 22 s (native's: 1.9 s).
 class CacheFlush {
  public:
   explicit CacheFlush(const Args& a) {
     int64_t bytes = 2 * a.grad_output.nbytes();
     for (const at::Tensor* t : {&a.input, &a.weight}) bytes += 2 * t->nbytes();
-    if (bytes < flush_bytes()) buffer_.resize(flush_bytes());
+    if (bytes >= cache_limit()) return;  // the call's own tensors do not fit the caches
+    if (!evicts_lines()) {
+      buffer_.resize(cache_limit());
+      return;
+    }
+    for (const at::Tensor* t : {&a.grad_output, &a.input, &a.weight}) tensors_.push_back(*t);
+    on_ = true;
   }
+  // Before a timed run: the call's tensors out of every cache level.
   void operator()() {
     if (!buffer_.empty()) std::memset(buffer_.data(), ++fill_, buffer_.size());
+    if (!on_) return;
+    for (const at::Tensor& t : tensors_) evict(t);
+    fence();
+  }
+  // After a timed run, before its results are freed.
+  void operator()(const std::optional<Result>& result) {
+    if (!on_ || !result) return;
+    for (const at::Tensor* t : result_parts(*result)) {
+      if (t->defined()) evict(*t);
+    }
   }
 
  private:
   // Twice the last-level cache (at least 32 MiB, at most 128 MiB).
-  static size_t flush_bytes() {
-    static const size_t bytes = static_cast<size_t>(
-        std::clamp<int64_t>(2 * std::max(cache_bytes(3), cache_bytes(2)), int64_t{32} << 20, int64_t{128} << 20));
+  static int64_t cache_limit() {
+    static const int64_t bytes =
+        std::clamp<int64_t>(2 * std::max(cache_bytes(3), cache_bytes(2)), int64_t{32} << 20, int64_t{128} << 20);
     return bytes;
   }
+#if defined(__x86_64__)
+  static bool evicts_lines() {
+    static const bool yes = __builtin_cpu_supports("clflushopt");
+    return yes;
+  }
+  // The lines of t's elements (from its first to its last, strides non-negative as ATen's are).
+  __attribute__((target("clflushopt"))) static void evict(const at::Tensor& t) {
+    if (t.numel() == 0) return;
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * std::max<int64_t>(0, t.stride(d));
+    const char* begin = static_cast<const char*>(t.const_data_ptr());
+    const char* end = begin + (last + 1) * static_cast<int64_t>(t.element_size());
+    for (const char* p = begin - reinterpret_cast<uintptr_t>(begin) % 64; p < end; p += 64) _mm_clflushopt(const_cast<char*>(p));
+  }
+  static void fence() { _mm_mfence(); }
+#else
+  static bool evicts_lines() { return false; }
+  static void evict(const at::Tensor&) {}
+  static void fence() {}
+#endif
+  std::vector<at::Tensor> tensors_;
+  bool on_ = false;
   std::vector<unsigned char> buffer_;
   unsigned char fill_ = 0;
 };
@@ -1551,6 +1599,7 @@ void tune_split(
         const auto t0 = std::chrono::steady_clock::now();
         auto result = run_kernel(candidates[i], sub, e);
         const double t = elapsed_us(t0);
+        flush(result);
         if (round == 0 && (!result || verify(candidates[i], *result, parts[part]))) {
           fastest[part][i] = NAN;  // never chosen for this part
           continue;
@@ -1602,8 +1651,11 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
   CacheFlush flush(a);
   flush();
   auto t0 = std::chrono::steady_clock::now();
-  run_kernel(base, a, e);
-  times[0].push_back(elapsed_us(t0));
+  {
+    const auto result = run_kernel(base, a, e);
+    times[0].push_back(elapsed_us(t0));
+    flush(result);
+  }
   for (size_t i = 1; i < candidates.size(); ++i) {
     const std::string name = kernel_name(candidates[i]);
     flush();
@@ -1620,6 +1672,7 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
     } else {
       times[i].push_back(t);
     }
+    flush(result);
   }
   const auto timed_round = [&](int round) {
     for (size_t j = 0; j < candidates.size(); ++j) {
@@ -1627,8 +1680,9 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
       if (!alive[i]) continue;
       flush();
       t0 = std::chrono::steady_clock::now();
-      run_kernel(candidates[i], a, e);
+      const auto result = run_kernel(candidates[i], a, e);
       times[i].push_back(elapsed_us(t0));
+      flush(result);
     }
   };
   const auto fastest_run = [&](size_t i) { return *std::min_element(times[i].begin(), times[i].end()); };
