@@ -8,7 +8,8 @@ process at a fixed thread count: each round times ``--steps`` steps of each side
 order of the sides alternating from round to round; the ratio is the median over the rounds of each
 round's compiled / native time, so the machine speeding up or slowing down between rounds (a shared
 VM) cancels out. ``--warmup`` untimed steps per side come first (oneDNN primitive caches,
-allocator).
+allocator, the autotuner), the compiled side's until a step tunes nothing; the report gives each
+side's first step and what tuning cost.
 
 Then ``--trace-steps`` extra steps per side run under ``aten_override.trace()``, the sides alternating (the minimum over them
 of each time is taken): the convolution backward's share of a step (the sum of the traced
@@ -273,9 +274,57 @@ def timed_steps(w: Workload, opt, name: str, steps: int) -> float:
     return statistics.median(times)
 
 
-def time_interleaved(w: Workload, opt, rounds: int, steps: int, warmup: int) -> tuple[dict, float]:
+# Untimed steps the compiled side's warmup may add while the autotuner still tunes: a signature whose
+# native result is all zeros (random-init EfficientNet-B0's squeeze-excite layers, whose gradients
+# underflow) is tuned on up to three calls before it is pinned.
+MAX_EXTRA_WARMUP = 4
+
+
+@dataclasses.dataclass
+class Warmup:
+    """The untimed steps before timing: each side's first step (seconds; the compiled side's tunes
+    every signature it meets), the compiled side's steps, and what its tuning cost."""
+
+    first_step: dict[str, float]
+    compiled_steps: int = 0
+    signatures: int = 0
+    tune_s: float = 0.0
+
+
+def _tuning() -> tuple[int, float]:
+    t = aten_override.stats().get("compiled_tuning", {})
+    return t.get("signatures", 0), t.get("us", 0) / 1e6
+
+
+def warm_up(w: Workload, opt, warmup: int) -> Warmup | None:
+    """``warmup`` untimed steps per side, the compiled side's continued (at most MAX_EXTRA_WARMUP
+    more) until a step tunes no signature, so that no tuning falls into a timed step; none and
+    ``None`` for ``warmup`` 0."""
+    if warmup <= 0:
+        return None
+    first = {}
+    tuned_before, tune_s_before = _tuning()
+    for name in SIDES:
+        first[name] = timed_steps(w, opt, name, 1)
+    steps = 1
+    for name in SIDES:
+        for _ in range(warmup - 1):
+            timed_steps(w, opt, name, 1)
+    steps += warmup - 1
+    for _ in range(MAX_EXTRA_WARMUP):
+        tuned = _tuning()[0]
+        timed_steps(w, opt, "compiled", 1)
+        steps += 1
+        if _tuning()[0] == tuned:
+            break
+    tuned_after, tune_s_after = _tuning()
+    FAULTS.clear()
+    return Warmup(first, steps, tuned_after - tuned_before, tune_s_after - tune_s_before)
+
+
+def time_interleaved(w: Workload, opt, rounds: int, steps: int, warmup: int = 0) -> tuple[dict, float]:
     """({side: median seconds per step}, median over rounds of compiled / native in the same round),
-    after ``warmup`` untimed steps per side."""
+    after ``warmup`` untimed steps per side (see warm_up)."""
     for name in SIDES:
         if warmup:
             timed_steps(w, opt, name, warmup)
@@ -453,7 +502,7 @@ def subnormal_census(w: Workload, opt: torch.optim.Optimizer) -> Subnormals:
 
 
 def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, rounds: int, machine,
-           subnormals: Subnormals) -> dict:
+           subnormals: Subnormals, warmup: Warmup | None = None) -> dict:
     """Print one model's result; return its summary row (times in ms, shares in %)."""
     conv_us = {s: sum(layer.us for layer in traces[s][1].values()) for s in SIDES}
     shares = {s: 100 * conv_us[s] / 1e6 / traces[s][0] for s in SIDES}
@@ -464,6 +513,12 @@ def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, r
         f"ratio {ratio:.2f} (median of {rounds} rounds' ratios); minor page faults per step (median): "
         + ", ".join(f"{s} {statistics.median(FAULTS[s]):.0f}" for s in SIDES if FAULTS[s])
     )
+    if warmup is not None:
+        print(
+            f"warmup (untimed): first step native {warmup.first_step['native'] * 1e3:.0f} ms, compiled "
+            f"{warmup.first_step['compiled'] * 1e3:.0f} ms; the compiled side tuned {warmup.signatures} signatures "
+            f"in {warmup.tune_s:.2f} s over its {warmup.compiled_steps} warmup steps"
+        )
     print(
         "conv backward share of a traced step: "
         + ", ".join(f"{s} {shares[s]:.0f}% of {traces[s][0] * 1e3:.0f} ms" for s in SIDES)
@@ -604,10 +659,11 @@ def main(argv: list[str] | None = None) -> int:
             except ImportError as e:
                 print(f"\nskipping {name}: {e} (pip install -e '.[bench]')", file=sys.stderr)
                 continue
-            times, ratio = time_interleaved(w, opt, args.rounds, args.steps, args.warmup)
+            warmup = warm_up(w, opt, args.warmup)
+            times, ratio = time_interleaved(w, opt, args.rounds, args.steps)
             traces = traced_interleaved(w, opt, args.trace_steps)
             subnormals = subnormal_census(w, opt)
-            rows.append(report(w, threads, times, ratio, traces, args.rounds, machine, subnormals))
+            rows.append(report(w, threads, times, ratio, traces, args.rounds, machine, subnormals, warmup))
             sys.stdout.flush()
     print_summary(rows)
     if args.csv and rows:

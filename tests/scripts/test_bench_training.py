@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 
 import pytest
@@ -42,8 +43,9 @@ def test_bench_training_prints_a_ratio_row():
         pytest.skip(NO_COMPILED)
     proc = run_python(
         ["scripts/bench_training.py", "--models", "resnet50", "--batch", "1", "--image-size", "64",
-         "--rounds", "1", "--steps", "1", "--warmup", "0", "--threads", "1"],
-        timeout=900,  # a loaded 2-core Zen 3 VM took over 300 s (tuning every layer of the first step)
+         "--rounds", "1", "--steps", "1", "--warmup", "1", "--threads", "1"],
+        timeout=900,  # a loaded 2-core Zen 3 VM took over 300 s
+        ATEN_OVERRIDE_AUTOTUNE="1",  # (the tests' default is off) the warmup tunes every signature
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -54,6 +56,10 @@ def test_bench_training_prints_a_ratio_row():
     assert float(row[-1]) > 0, row  # conv backward time, compiled / native
     assert "top 8 conv layers" in out and ("dense" in out or "pointwise" in out), out
     assert "GFLOP/s" in out and "geomean at 1 threads over 1 models: step ratio" in out, out
+    # the warmup tuned every signature before the timed steps, and says what that cost
+    warm = re.search(r"warmup \(untimed\): first step native \d+ ms, compiled \d+ ms; the compiled side tuned "
+                     r"(\d+) signatures in [\d.]+ s over its (\d+) warmup steps", out)
+    assert warm and int(warm[1]) > 0 and int(warm[2]) >= 2, out
 
 
 def test_subnormal_census_counts_each_conv_layers_grad_output(monkeypatch):
