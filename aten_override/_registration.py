@@ -459,8 +459,10 @@ def stats() -> dict[str, object]:
     are merged in; ``"compiled_layer_classes": {class: n}`` counts the compiled backend's calls per
     layer class (``compiled.LAYER_CLASSES``; ``dense``/``transposed`` ran native by choice),
     ``"compiled_kernels": {kernel: n}`` per kernel that ran (``native`` where the table or the
-    autotuner chose it), and ``"compiled_tuning": {"signatures": n, "us": t}`` what tuning cost
-    (microseconds), when any signature was tuned."""
+    autotuner chose it), and ``"compiled_tuning": {"signatures": n, "us": t, "evicted_bytes": b}``
+    what tuning cost (microseconds) and the bytes it evicted from the caches around its timed runs
+    (CPUs with ``clflushopt``; 0 elsewhere, or where the call's tensors exceed the caches), when any
+    signature was tuned."""
     with _state.counts_lock:
         counts = Counter(_state.counts)
         reasons = Counter(_state.fallback_reasons)
@@ -474,7 +476,7 @@ def stats() -> dict[str, object]:
         reasons.update({f"compiled: {r}": n for r, n in cpp["fallback_reasons"].items()})
         layer_classes = cpp["layer_classes"]
         kernels = cpp["kernels"]
-        tuning = {"signatures": cpp["tunings"], "us": cpp["tune_us"]}
+        tuning = {"signatures": cpp["tunings"], "us": cpp["tune_us"], "evicted_bytes": cpp["evicted_bytes"]}
     out: dict[str, object] = {k: n for k, n in counts.items() if n}
     out["fallback_reasons"] = dict(reasons)
     if layer_classes:

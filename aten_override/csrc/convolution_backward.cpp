@@ -38,8 +38,10 @@
 
 #include <unistd.h>
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
+#define ATEN_OVERRIDE_CLFLUSHOPT 1
 #endif
 
 namespace aten_override {
@@ -1332,6 +1334,7 @@ struct Autotuner {
   std::recursive_mutex tuning_mutex;
   std::atomic<int64_t> tunings{0};
   std::atomic<int64_t> tune_us_total{0};
+  std::atomic<int64_t> evicted_bytes{0};  // CacheFlush's evictions (tuning runs' tensors)
   std::unordered_map<Signature, int, SignatureHash> inconclusive;  // under tuning_mutex
 };
 
@@ -1549,9 +1552,12 @@ class CacheFlush {
         std::clamp<int64_t>(2 * std::max(cache_bytes(3), cache_bytes(2)), int64_t{32} << 20, int64_t{128} << 20);
     return bytes;
   }
-#if defined(__x86_64__)
+#ifdef ATEN_OVERRIDE_CLFLUSHOPT
   static bool evicts_lines() {
-    static const bool yes = __builtin_cpu_supports("clflushopt");
+    static const bool yes = [] {
+      unsigned a = 0, b = 0, c = 0, d = 0;
+      return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & (1u << 23));  // CPUID.(7,0):EBX[23] CLFLUSHOPT
+    }();
     return yes;
   }
   // The lines of t's elements (from its first to its last, strides non-negative as ATen's are).
@@ -1562,6 +1568,7 @@ class CacheFlush {
     const char* begin = static_cast<const char*>(t.const_data_ptr());
     const char* end = begin + (last + 1) * static_cast<int64_t>(t.element_size());
     for (const char* p = begin - reinterpret_cast<uintptr_t>(begin) % 64; p < end; p += 64) _mm_clflushopt(const_cast<char*>(p));
+    autotuner().evicted_bytes.fetch_add(end - begin, std::memory_order_relaxed);
   }
   static void fence() { _mm_mfence(); }
 #else
@@ -1599,8 +1606,9 @@ void tune_split(
         const auto t0 = std::chrono::steady_clock::now();
         auto result = run_kernel(candidates[i], sub, e);
         const double t = elapsed_us(t0);
-        flush(result);
-        if (round == 0 && (!result || verify(candidates[i], *result, parts[part]))) {
+        const bool wrong = round == 0 && (!result || verify(candidates[i], *result, parts[part]));
+        flush(result);  // (after the check, which reads it)
+        if (wrong) {
           fastest[part][i] = NAN;  // never chosen for this part
           continue;
         }
@@ -1966,6 +1974,7 @@ py::dict py_stats() {
   out["kernels"] = kernels;
   out["tunings"] = autotuner().tunings.load();
   out["tune_us"] = autotuner().tune_us_total.load();
+  out["evicted_bytes"] = autotuner().evicted_bytes.load();
   return out;
 }
 
@@ -1978,6 +1987,7 @@ void py_reset_stats() {
   }
   autotuner().tunings.store(0);
   autotuner().tune_us_total.store(0);
+  autotuner().evicted_bytes.store(0);
   c.served.store(0);
   c.fallback.store(0);
   std::lock_guard<std::mutex> lock(c.reasons_mutex);
@@ -2121,9 +2131,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernels_registered", &kernels_registered);
   m.def("stats", &py_stats,
         "{'served': n, 'fallback': n, 'fallback_reasons': {reason: n}, 'layer_classes': {class: n}, 'kernels': "
-        "{kernel: n}, 'tunings': n, 'tune_us': t}; served and fallback count calls of the registered C++ kernel, "
-        "layer_classes and kernels every call the backend computed, tunings / tune_us the signatures tuned and "
-        "what that cost (microseconds).");
+        "{kernel: n}, 'tunings': n, 'tune_us': t, 'evicted_bytes': b}; served and fallback count calls of the "
+        "registered C++ kernel, layer_classes and kernels every call the backend computed, tunings / tune_us the "
+        "signatures tuned and what that cost (microseconds), evicted_bytes the bytes tuning evicted from the caches "
+        "before and after its timed runs (clflushopt).");
   m.def("reset_stats", &py_reset_stats);
   m.def(
       "workspace",

@@ -290,7 +290,8 @@ def test_tuning_a_small_call_evicts_its_tensors_instead_of_writing_a_cache_sized
     small the call (EfficientNet-B0's first bfloat16 step took 22 s against native's 1.9, and its
     squeeze-excite layers, tuned again while their gradients underflow to zero, made steps 2 and 3
     1.8-2.8x native's). Now only the call's own lines are evicted: tuning a small call touches no
-    such buffer (the child's peak resident memory grows by far less than 32 MiB), and still tunes."""
+    such buffer (the child's peak resident memory grows by far less than 32 MiB), still tunes, and
+    evicts the call's tensors before each of its timed runs (``compiled_tuning["evicted_bytes"]``)."""
     script = tmp_path / "child.py"
     script.write_text(
         "import json, resource, torch, aten_override\n"
@@ -301,13 +302,16 @@ def test_tuning_a_small_call_evicts_its_tensors_instead_of_writing_a_cache_sized
         "with aten_override.enable('compiled', autotune=True):\n"
         "    torch.ops.aten.convolution_backward.default(*args)\n"
         "grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
-        "print(json.dumps({'grown_kib': grown, 'entries': aten_override.autotune.entries()}))\n"
+        "print(json.dumps({'grown_kib': grown, 'entries': aten_override.autotune.entries(),\n"
+        "                  'tuning': aten_override.stats()['compiled_tuning'], 'call_bytes': sum(t.nbytes for t in args[:3])}))\n"
     )
     child = run_python([str(script)], ATEN_OVERRIDE_AUTOTUNE="1")
     assert child.returncode == 0, child.stderr
     out = json.loads(child.stdout.splitlines()[-1])
     assert len(out["entries"]) == 1 and len(out["entries"][0]["times_us"]) >= 2, out["entries"]
     assert out["grown_kib"] < 16 * 1024, out
+    runs = 3  # at least: native's first timed run and each candidate's, in the first round
+    assert out["tuning"]["evicted_bytes"] >= runs * out["call_bytes"], out
 
 
 def test_results_file_makes_a_second_process_skip_tuning(tmp_path):
