@@ -500,7 +500,9 @@ def test_dead_taps_float32_copies_take_the_compiled_choice(dtype):
         with aten_override.enable("compiled", autotune=True):
             tuned = torch.ops.aten.convolution_backward.default(*call)
         entries = autotune.entries()
-        assert len(entries) == 1 and "gemm-kn2row" in entries[0]["times_us"], entries
+        # among the candidates: timed, or cut as slow (a loaded machine can make one run look slow)
+        assert len(entries) == 1 and "gemm-kn2row" in {*entries[0]["times_us"], *entries[0]["rejected"]}, entries
+        assert not any(why.startswith("wrong") for why in entries[0]["rejected"].values()), entries
         for o, e in zip(tuned, expected):
             torch.testing.assert_close(o.float(), e, atol=0.05 * e.abs().max().item(), rtol=0)
     finally:
