@@ -178,9 +178,8 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "layers with a dim shorter than the dilated kernel (parts of both gradients unwritten, heap "
      "corruption). Computed in float32 (correct there) by the compiled backend's own choice for the float32 "
      "call (native, or a kernel measured faster: gemm-kn2row on R(2+1)D's 3x1x1 layers) and rounded once, "
-     "into native's layout; where the dead taps are the kernel's ends, the call without them, in its own "
-     "dtype (kernel live-taps: R(2+1)D's 3x1x1 layers at one frame). Also 3-D layers on oneDNN, any dtype "
-     "but float64, with padding > stride in depth "
+     "into native's layout; where the dead taps are the kernel's ends, the call without them, in its own dtype "
+     "(kernel live-taps: R(2+1)D's 3x1x1 layers at one frame). Also 3-D layers on oneDNN, any dtype but float64, with padding > stride in depth "
      "and no row there meeting the whole kernel (transposed: no input position writing inside the output; "
      "regular: no output position reading inside the input, e.g. depth 3, kernel 9, stride 4, padding 7): "
      "oneDNN's float32 gradients were wrong, hung or corrupted the heap on some; computed in float64 the "
@@ -217,8 +216,7 @@ enum class Kernel : int {
   Count
 };
 
-constexpr const char* kKernelNames[] = {"native",          "zeros",           "sum",           "upcast",
-                                        "live-taps",
+constexpr const char* kKernelNames[] = {"native",          "zeros",           "sum",           "upcast",          "live-taps",
                                         "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct",
                                         "grouped-lanes",   "gemm-im2col",     "gemm-kn2row",   "winograd",
                                         "pointwise-fused", "kn2row-lanes",    "pointwise-bf16",  "kn2row-planes",
@@ -954,6 +952,11 @@ Result winograd_backward(const Args& a, const Expanded& e) {
 
 Result serve_in_compute_dtype(const Args& f);
 
+// The dead-taps class: the call computed in `compute` (float32; float64 where native's float32
+// oneDNN path is wrong too) by the compiled backend's own choice for that call (measured, or the
+// table's: e.g. gemm-kn2row for R(2+1)D's padded 3x1x1 layers, where native's float32 path is its
+// slow 3-D one), rounded once into native's layout for the call's own dtype. Only what the mask asks
+// for is converted (a stride-0 placeholder for the unused tensor stays a placeholder).
 // A regular call whose dead taps (has_dead_tap: kernel taps that only ever meet padding) lie at the
 // ends of the kernel in each dim, so that cutting them off and lowering the padding by as many dilated
 // taps gives the same outputs reading the same inputs: that call, whose grad_input is the whole call's
@@ -1026,11 +1029,6 @@ std::optional<Result> live_taps_backward(const Args& a, const Expanded& e) {
   return Result{gi, gw, a.output_mask[2] ? gb_live : at::Tensor()};
 }
 
-// The dead-taps class: the call computed in `compute` (float32; float64 where native's float32
-// oneDNN path is wrong too) by the compiled backend's own choice for that call (measured, or the
-// table's: e.g. gemm-kn2row for R(2+1)D's padded 3x1x1 layers, where native's float32 path is its
-// slow 3-D one), rounded once into native's layout for the call's own dtype. Only what the mask asks
-// for is converted (a stride-0 placeholder for the unused tensor stays a placeholder).
 Result upcast_backward(const Args& a, at::ScalarType compute) {
   const OutputLayout layout = output_layout(a);
   const auto up = [compute](const at::Tensor& t, bool needed) {
