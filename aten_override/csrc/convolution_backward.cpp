@@ -178,8 +178,7 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "layers with a dim shorter than the dilated kernel (parts of both gradients unwritten, heap "
      "corruption). Computed in float32 (correct there) by the compiled backend's own choice for the float32 "
      "call (native, or a kernel measured faster: gemm-kn2row on R(2+1)D's 3x1x1 layers) and rounded once, "
-     "into native's layout; where the dead taps are the kernel's ends, the call without them, in its own dtype "
-     "(kernel live-taps: R(2+1)D's 3x1x1 layers at one frame). Also 3-D layers on oneDNN, any dtype but float64, with padding > stride in depth "
+     "into native's layout. Also 3-D layers on oneDNN, any dtype but float64, with padding > stride in depth "
      "and no row there meeting the whole kernel (transposed: no input position writing inside the output; "
      "regular: no output position reading inside the input, e.g. depth 3, kernel 9, stride 4, padding 7): "
      "oneDNN's float32 gradients were wrong, hung or corrupted the heap on some; computed in float64 the "
@@ -199,7 +198,6 @@ enum class Kernel : int {
   Zeros,         // upstream's Empty backend (empty_backward)
   Sum,           // grad_bias alone
   Upcast,        // float32 / float64 copies, served by this backend's choice for them (the dead-taps class)
-  LiveTaps,      // the call without its dead taps, in its own dtype (the dead-taps class, where exact)
   DepthwisePlane,  // cpu/depthwise.cpp, plane by plane
   DepthwiseLanes,  // cpu/depthwise.cpp, channels in the vector lanes
   DepthwiseBands,  // cpu/depthwise.cpp, channels in the vector lanes, in bands of rows sized to L2
@@ -216,7 +214,7 @@ enum class Kernel : int {
   Count
 };
 
-constexpr const char* kKernelNames[] = {"native",          "zeros",           "sum",           "upcast",          "live-taps",
+constexpr const char* kKernelNames[] = {"native",          "zeros",           "sum",           "upcast",
                                         "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct",
                                         "grouped-lanes",   "gemm-im2col",     "gemm-kn2row",   "winograd",
                                         "pointwise-fused", "kn2row-lanes",    "pointwise-bf16",  "kn2row-planes",
@@ -957,78 +955,6 @@ Result serve_in_compute_dtype(const Args& f);
 // table's: e.g. gemm-kn2row for R(2+1)D's padded 3x1x1 layers, where native's float32 path is its
 // slow 3-D one), rounded once into native's layout for the call's own dtype. Only what the mask asks
 // for is converted (a stride-0 placeholder for the unused tensor stays a placeholder).
-// A regular call whose dead taps (has_dead_tap: kernel taps that only ever meet padding) lie at the
-// ends of the kernel in each dim, so that cutting them off and lowering the padding by as many dilated
-// taps gives the same outputs reading the same inputs: that call, whose grad_input is the whole call's
-// and whose grad_weight is the whole call's on the live taps (zero on the dead ones, exactly). nullopt
-// where no tap is dead, a dim has none live, the live taps are not one run, or the output sizes would
-// differ. E.g. R(2+1)D-18's temporal 3x1x1 layers at one frame (padding 1): kernel 1x1x1, padding 0.
-struct LiveTaps {
-  at::Tensor weight;              // a view of the live taps
-  std::vector<int64_t> padding;   // lowered by the dilated taps cut off before the live ones
-  std::vector<int64_t> first;     // per spatial dim, the first live tap
-  Args call(const Args& a, const at::Tensor& w) const {
-    return Args{a.grad_output, a.input, w, a.bias_sizes, a.stride, padding, a.dilation, a.transposed,
-                a.output_padding, a.groups, a.output_mask};
-  }
-};
-
-std::optional<LiveTaps> live_taps(const Args& a, const Expanded& e) {
-  if (a.transposed || !has_dead_tap(a, e)) return std::nullopt;
-  LiveTaps out;
-  out.padding = e.padding;
-  out.weight = a.weight;
-  for (int64_t i = 0; i < e.dims; ++i) {
-    const int64_t k = a.weight.size(2 + i), s = e.stride[i], p = e.padding[i], d = e.dilation[i];
-    const int64_t in = a.input.size(2 + i), n_out = a.grad_output.size(2 + i);
-    int64_t lo = -1, hi = -1;
-    for (int64_t j = 0; j < k; ++j) {
-      bool live = false;  // some output o reads input o*s - p + j*d inside [0, in)
-      for (int64_t o = 0; o < n_out && !live; ++o) live = o * s - p + j * d >= 0 && o * s - p + j * d < in;
-      if (!live) continue;
-      if (hi >= 0 && hi != j - 1) return std::nullopt;  // a dead tap between live ones
-      if (lo < 0) lo = j;
-      hi = j;
-    }
-    if (lo < 0 || lo * d > p) return std::nullopt;
-    const int64_t p2 = p - lo * d, k2 = hi - lo + 1;
-    if ((in + 2 * p2 - d * (k2 - 1) - 1) / s + 1 != n_out) return std::nullopt;
-    out.padding[i] = p2;
-    out.first.push_back(lo);
-    out.weight = out.weight.narrow(2 + i, lo, k2);
-  }
-  return out;
-}
-
-// Whether the live-taps kernel serves a dead-taps call: its dead taps can be cut off (live_taps), and
-// native is not known wrong on the call without them.
-bool live_taps_serve(const Args& a, const Expanded& e) {
-  const auto live = live_taps(a, e);
-  if (!live) return false;
-  const Args f = live->call(a, live->weight);
-  return classify(f, check_args(f)) != LayerClass::DeadTaps;
-}
-
-// The live-taps kernel: the call without its dead taps, in its own dtype, served by this backend's
-// choice for it; grad_weight zero on the dead taps; native's layouts. nullopt where live_taps_serve
-// does not hold.
-std::optional<Result> live_taps_backward(const Args& a, const Expanded& e) {
-  if (!live_taps_serve(a, e)) return std::nullopt;
-  const auto live = live_taps(a, e);
-  const at::Tensor w = live->weight.contiguous(a.weight.suggest_memory_format());
-  const OutputLayout layout = output_layout(a);
-  auto [gi_live, gw_live, gb_live] = serve_in_compute_dtype(live->call(a, w));
-  at::Tensor gi, gw;
-  if (a.output_mask[0]) gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt).copy_(gi_live);
-  if (a.output_mask[1]) {
-    gw = empty_like_native_weight(a.weight, layout).zero_();
-    at::Tensor taps = gw;
-    for (int64_t i = 0; i < e.dims; ++i) taps = taps.narrow(2 + i, live->first[i], w.size(2 + i));
-    taps.copy_(gw_live);
-  }
-  return Result{gi, gw, a.output_mask[2] ? gb_live : at::Tensor()};
-}
-
 Result upcast_backward(const Args& a, at::ScalarType compute) {
   const OutputLayout layout = output_layout(a);
   const auto up = [compute](const at::Tensor& t, bool needed) {
@@ -1143,7 +1069,7 @@ Kernel table_kernel(LayerClass cls, const Args& a, const Expanded& e) {
   switch (cls) {
     case LayerClass::Empty: return Kernel::Zeros;
     case LayerClass::BiasOnly: return Kernel::Sum;
-    case LayerClass::DeadTaps: return live_taps_serve(a, e) ? Kernel::LiveTaps : Kernel::Upcast;
+    case LayerClass::DeadTaps: return Kernel::Upcast;
     case LayerClass::Depthwise:
       if (!direct_kernel_serves(cls, a.grad_output)) return Kernel::Native;
       if (!a.grad_output.is_cpu()) return Kernel::Direct;
@@ -1230,7 +1156,6 @@ std::optional<std::string> candidate_unsupported(Kernel k, const Args& a, const 
     case Kernel::Zeros:
     case Kernel::Sum:
     case Kernel::Upcast:
-    case Kernel::LiveTaps:
     case Kernel::Count: break;
   }
   return "not a tunable kernel";
@@ -1266,7 +1191,6 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
     case Kernel::Sum:
       return Result{at::Tensor(), at::Tensor(), a.output_mask[2] ? grad_bias(a.grad_output) : at::Tensor()};
     case Kernel::Upcast: return upcast_backward(a, depth_without_full_row(a, e) ? at::kDouble : at::kFloat);
-    case Kernel::LiveTaps: return live_taps_backward(a, e);
     case Kernel::DepthwisePlane:
     case Kernel::DepthwiseLanes:
     case Kernel::DepthwiseBands:

@@ -78,12 +78,7 @@ dead-taps            upcast   bfloat16/float16 where native picks oneDNN and a k
                               position writing inside the output; regular: no output position reading
                               inside the input): oneDNN's float32 gradients are wrong, hang or corrupt
                               the heap on some; computed in float64 the same way
-                              (tests/ops/convolution_backward/test_native_defects.py).
-                              A regular call whose dead taps are the kernel's ends in each dim
-                              (R(2+1)D's 3x1x1 layers at one frame, padding 1) is the same
-                              convolution without them and with the padding lowered: kernel
-                              ``live-taps`` serves that call in its own dtype (where native is not
-                              known wrong on it), grad_weight zero on the dead taps
+                              (tests/ops/convolution_backward/test_native_defects.py)
 grouped-lanes        direct   float32/float64/bfloat16, more than 64 channel pairs per group, 2 to 64
                               channels on each side, some stride > 1, at least 2^20 grad_output
                               elements (ResNeXt's stride-2 layers; fewer or stride 1: dense): each
