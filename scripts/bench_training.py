@@ -322,13 +322,9 @@ def warm_up(w: Workload, opt, warmup: int) -> Warmup | None:
     return Warmup(first, steps, tuned_after - tuned_before, tune_s_after - tune_s_before)
 
 
-def time_interleaved(w: Workload, opt, rounds: int, steps: int, warmup: int = 0) -> tuple[dict, float]:
-    """({side: median seconds per step}, median over rounds of compiled / native in the same round),
-    after ``warmup`` untimed steps per side (see warm_up)."""
-    for name in SIDES:
-        if warmup:
-            timed_steps(w, opt, name, warmup)
-    FAULTS.clear()
+def time_interleaved(w: Workload, opt, rounds: int, steps: int) -> tuple[dict, float]:
+    """({side: median seconds per step}, median over rounds of compiled / native in the same round);
+    warm_up comes first."""
     times, ratios = interleaved(lambda name: timed_steps(w, opt, name, steps), SIDES, rounds, reference="native")
     return times, ratios["compiled"]
 

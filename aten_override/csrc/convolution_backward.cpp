@@ -1528,18 +1528,17 @@ class CacheFlush {
       return;
     }
     for (const at::Tensor* t : {&a.grad_output, &a.input, &a.weight}) tensors_.push_back(*t);
-    on_ = true;
   }
   // Before a timed run: the call's tensors out of every cache level.
   void operator()() {
     if (!buffer_.empty()) std::memset(buffer_.data(), ++fill_, buffer_.size());
-    if (!on_) return;
+    if (tensors_.empty()) return;
     for (const at::Tensor& t : tensors_) evict(t);
     fence();
   }
   // After a timed run, before its results are freed.
   void operator()(const std::optional<Result>& result) {
-    if (!on_ || !result) return;
+    if (tensors_.empty() || !result) return;
     for (const at::Tensor* t : result_parts(*result)) {
       if (t->defined()) evict(*t);
     }
@@ -1576,8 +1575,7 @@ class CacheFlush {
   static void evict(const at::Tensor&) {}
   static void fence() {}
 #endif
-  std::vector<at::Tensor> tensors_;
-  bool on_ = false;
+  std::vector<at::Tensor> tensors_;  // the call's, where lines are evicted (else none)
   std::vector<unsigned char> buffer_;
   unsigned char fill_ = 0;
 };
