@@ -8,6 +8,7 @@
 #include "cpu/workspace.h"
 
 #include <ATen/ATen.h>
+#include <ATen/cpu/Utils.h>
 #include <ATen/native/ConvUtils.h>
 #include <ATen/ops/convolution_backward_compositeexplicitautograd_dispatch.h>
 #include <c10/core/DeviceGuard.h>
@@ -176,7 +177,10 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "such transposed layers; also transposed layers whose input has width 1 under a wider kernel (e.g. "
      "(N, C, 8, 1), kernel 3x3, stride 2: most of grad_input unwritten, no dead tap); and padded regular 3-D "
      "layers with a dim shorter than the dilated kernel (parts of both gradients unwritten, heap "
-     "corruption). Computed in float32 (correct there) by the compiled backend's own choice for the float32 "
+     "corruption); and regular bfloat16 3-D layers asking for grad_weight on a CPU with AMX-BF16 (grad_weight "
+     "off by up to half its scale on larger planes: those that fold into a 2-D call, a 1x1 spatial kernel "
+     "(R(2+1)D's 3x1x1) or kernel depth 1 without depth padding (its 1xkxk), are computed as that 2-D call "
+     "in bfloat16 (fold-2d), where native's oneDNN path is right). Otherwise computed in float32 (correct there) by the compiled backend's own choice for the float32 "
      "call (native, or a kernel measured faster: gemm-kn2row on R(2+1)D's 3x1x1 layers) and rounded once, "
      "into native's layout. Also 3-D layers on oneDNN, any dtype but float64, with padding > stride in depth "
      "and no row there meeting the whole kernel (transposed: no input position writing inside the output; "
@@ -210,6 +214,7 @@ enum class Kernel : int {
   Kn2rowLanes,   // cpu/kn2row.cpp, 1-D stride 1: per tap over the positions it meets, vector micro-kernels
   PointwiseBf16,  // cpu/pointwise_bf16.cpp, bfloat16 1x1 stride 1: both gradients in one pass, bfloat16 dot products
   Kn2rowPlanes,  // cpu/gemm.cpp, gemm-kn2row's products on the vector micro-kernels, in the tensors' layout
+  Fold2d,        // a 3-D call served as the 2-D call it folds into, by this backend's choice for that call
   Test,          // a fake candidate for the autotuner's tests (set_test_candidate); never otherwise
   Count
 };
@@ -218,7 +223,7 @@ constexpr const char* kKernelNames[] = {"native",          "zeros",           "s
                                         "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct",
                                         "grouped-lanes",   "gemm-im2col",     "gemm-kn2row",   "winograd",
                                         "pointwise-fused", "kn2row-lanes",    "pointwise-bf16",  "kn2row-planes",
-                                        "test"};
+                                        "fold-2d",         "test"};
 static_assert(sizeof(kKernelNames) / sizeof(kKernelNames[0]) == static_cast<size_t>(Kernel::Count));
 
 
@@ -650,10 +655,32 @@ bool padded_3d(const Args& a, const Expanded& e) {
   return padded && short_dim;
 }
 
+// Whether the CPU has AMX-BF16 (at::cpu::get_cpu_capabilities, cpuinfo's reading of CPUID). Mirrors
+// args.cpu_has_amx_bf16.
+bool cpu_has_amx_bf16() {
+  static const bool has = [] {
+    const auto caps = at::cpu::get_cpu_capabilities();
+    const auto it = caps.find("amx_bf16");
+    return it != caps.end() && it->second.isBool() && it->second.toBool();
+  }();
+  return has;
+}
+
+// Whether a regular bfloat16 3-D call asks for grad_weight on a CPU with AMX-BF16: there 2.13's oneDNN
+// weight gradient (brgconv_bwd_w:avx10_1_512_amx) is off by 12-52% of its scale on larger planes,
+// the same on every run (e.g. input (2, 64, 4, 56, 56), kernel 1x3x3, padding [0, 1, 1], and a 1x1x1
+// kernel at depth 1; 2-D layers, float16 and grad_input were right). No size bound separates the
+// wrong calls found from the right ones (input channels x plane from 1e5 to 9e5 elements among the
+// wrong, to 3e6 among the right), so every such call counts. Mirrors args.amx_3d_weight.
+bool amx_3d_weight(const Args& a, const Expanded& e) {
+  return !a.transposed && e.dims == 3 && a.grad_output.scalar_type() == at::kBFloat16 && a.output_mask[1] &&
+      cpu_has_amx_bf16();
+}
+
 // Whether 2.13's oneDNN convolutions are known wrong on this call in bfloat16 / float16. Mirrors
 // args.onednn_defect.
 bool onednn_defect(const Args& a, const Expanded& e) {
-  return has_dead_tap(a, e) || padded_3d(a, e) || width_one_transposed(a);
+  return has_dead_tap(a, e) || padded_3d(a, e) || width_one_transposed(a) || amx_3d_weight(a, e);
 }
 
 // Whether native would serve the call on a oneDNN path known to be wrong there, or to crash: a CPU
@@ -948,7 +975,7 @@ Result winograd_backward(const Args& a, const Expanded& e) {
   return contiguous_kernel_backward(a, [&](auto&&... t) { winograd_backward_cpu(direct_problem(a, e), t...); });
 }
 
-Result serve_in_compute_dtype(const Args& f);
+Result serve_derived_call(const Args& f);
 
 // The dead-taps class: the call computed in `compute` (float32; float64 where native's float32
 // oneDNN path is wrong too) by the compiled backend's own choice for that call (measured, or the
@@ -965,11 +992,86 @@ Result upcast_backward(const Args& a, at::ScalarType compute) {
   const at::Tensor w = up(a.weight, a.output_mask[0]);
   const Args f{go, x, w, a.bias_sizes, a.stride, a.padding, a.dilation, a.transposed, a.output_padding, a.groups,
                a.output_mask};
-  auto [gi_up, gw_up, gb_up] = serve_in_compute_dtype(f);
+  auto [gi_up, gw_up, gb_up] = serve_derived_call(f);
   at::Tensor gi, gw, gb;
   if (a.output_mask[0]) gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt).copy_(gi_up);
   if (a.output_mask[1]) gw = empty_like_native_weight(a.weight, layout).copy_(gw_up);
   if (a.output_mask[2]) gb = gb_up.to(a.grad_output.scalar_type());
+  return {gi, gw, gb};
+}
+
+// How a regular 3-D call folds into a 2-D one: not at all; its plane into one row (a 1x1 spatial
+// kernel, no spatial padding, spatial stride 1: (N, C, D, H, W) is (N, C, D, H * W), a view where H
+// and W merge, kernel (k_d, 1)); or its depth into the batch (kernel depth 1, no depth padding: each
+// depth slice the stride samples is a 2-D problem of its own, (N * D_out, C, H, W)). R(2+1)D's
+// temporal 3x1x1 and spatial 1xkxk layers fold.
+enum class Fold { None, PlaneIntoRow, DepthIntoBatch };
+
+Fold fold_of(const Args& a, const Expanded& e) {
+  if (a.transposed || e.dims != 3) return Fold::None;
+  if (a.weight.size(3) == 1 && a.weight.size(4) == 1 && e.padding[1] == 0 && e.padding[2] == 0 && e.stride[1] == 1 &&
+      e.stride[2] == 1) {
+    return Fold::PlaneIntoRow;
+  }
+  if (a.weight.size(2) == 1 && e.padding[0] == 0) return Fold::DepthIntoBatch;
+  return Fold::None;
+}
+
+// Whether fold-2d computes a CPU call: it folds, and has none of the defects its 2-D call would carry
+// over (dead taps; padded_3d's short dims and depth_without_full_row, kept out to be safe).
+bool fold_2d_applies(const Args& a, const Expanded& e) {
+  return a.grad_output.is_cpu() && fold_of(a, e) != Fold::None && !has_dead_tap(a, e) && !padded_3d(a, e) &&
+      !depth_without_full_row(a, e);
+}
+
+// The fold-2d kernel: a regular 3-D call computed as the 2-D call it folds into (fold_of), served by
+// this backend's choice for that call, in the call's own dtype, and put back into native's layout for
+// the 3-D call. It stands in for native where only amx_3d_weight makes native wrong: its 2-D oneDNN
+// path is right there, at native's bfloat16 speed (the float32 copies of the upcast took 3-7x
+// native's time on R(2+1)D's layers). Depth into the batch copies grad_output and input once (as a
+// view where they are channels-last); input positions the depth stride skips get zero grad_input.
+Result fold_2d_backward(const Args& a, const Expanded& e) {
+  const Fold fold = fold_of(a, e);
+  TORCH_INTERNAL_ASSERT(fold != Fold::None, "convolution_backward[compiled]: fold-2d on a call that does not fold");
+  const OutputLayout layout = output_layout(a);
+  const int64_t d_out = a.grad_output.size(2), s_d = e.stride[0];
+  at::Tensor go, x, w;
+  std::vector<int64_t> stride, padding, dilation;
+  if (fold == Fold::PlaneIntoRow) {
+    go = a.grad_output.flatten(3);
+    x = a.input.flatten(3);
+    w = a.weight.flatten(3);
+    stride = {s_d, 1};
+    padding = {e.padding[0], 0};
+    dilation = {e.dilation[0], 1};
+  } else {
+    // (N, C, D, H, W) -> (N * D, C, H, W)
+    const auto batch = [](const at::Tensor& t) { return t.transpose(1, 2).flatten(0, 1); };
+    go = batch(a.grad_output);
+    x = batch(a.input.slice(2, 0, (d_out - 1) * s_d + 1, s_d));
+    w = a.weight.squeeze(2);
+    stride = {e.stride[1], e.stride[2]};
+    padding = {e.padding[1], e.padding[2]};
+    dilation = {e.dilation[1], e.dilation[2]};
+  }
+  const std::vector<int64_t> output_padding{0, 0};
+  const Args f{go, x, w, a.bias_sizes, stride, padding, dilation, false, output_padding, a.groups, a.output_mask};
+  auto [gi2, gw2, gb] = serve_derived_call(f);
+  at::Tensor gi, gw;
+  if (a.output_mask[0]) {
+    gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt);
+    if (fold == Fold::PlaneIntoRow) {
+      gi.copy_(gi2.unflatten(3, {a.input.size(3), a.input.size(4)}));
+    } else {
+      const at::Tensor unfolded = gi2.unflatten(0, {a.input.size(0), d_out}).transpose(1, 2);
+      if (s_d == 1) {
+        gi.copy_(unfolded);
+      } else {
+        gi.zero_().slice(2, 0, (d_out - 1) * s_d + 1, s_d).copy_(unfolded);
+      }
+    }
+  }
+  if (a.output_mask[1]) gw = empty_like_native_weight(a.weight, layout).copy_(gw2.view(a.weight.sizes()));
   return {gi, gw, gb};
 }
 
@@ -1056,12 +1158,18 @@ std::optional<Choice> parse_choice(const std::string& name) {
   return Choice{*gi, *gw};
 }
 
-// What stands for native on a call: native, or where native_defective holds the dead-taps class's
+// What computes a call native is known wrong on: fold-2d where amx_3d_weight is the only defect and
+// the call folds (native's 2-D path is right there), else the upcast.
+Kernel defect_stand_in(const Args& a, const Expanded& e) {
+  return amx_3d_weight(a, e) && fold_2d_applies(a, e) ? Kernel::Fold2d : Kernel::Upcast;
+}
+
+// What stands for native on a call: native, or where native_defective holds defect_stand_in (the
 // upcast (native there segfaults, corrupts the heap or hangs: e.g. a one-channel float32
 // Conv3d(1, 16, (9, 1, 1), stride (2, 1, 1), padding (5, 0, 0)) on a depth of 5). The autotuner's
 // reference, its baseline and a declining kernel's fallback all run this kernel.
 Kernel reference_kernel(const Args& a, const Expanded& e) {
-  return native_defective(a, e) ? Kernel::Upcast : Kernel::Native;
+  return native_defective(a, e) ? defect_stand_in(a, e) : Kernel::Native;
 }
 
 // The table's kernel for a layer class, before reference_kernel stands in for native.
@@ -1069,7 +1177,7 @@ Kernel table_kernel(LayerClass cls, const Args& a, const Expanded& e) {
   switch (cls) {
     case LayerClass::Empty: return Kernel::Zeros;
     case LayerClass::BiasOnly: return Kernel::Sum;
-    case LayerClass::DeadTaps: return Kernel::Upcast;
+    case LayerClass::DeadTaps: return defect_stand_in(a, e);
     case LayerClass::Depthwise:
       if (!direct_kernel_serves(cls, a.grad_output)) return Kernel::Native;
       if (!a.grad_output.is_cpu()) return Kernel::Direct;
@@ -1156,6 +1264,7 @@ std::optional<std::string> candidate_unsupported(Kernel k, const Args& a, const 
     case Kernel::Zeros:
     case Kernel::Sum:
     case Kernel::Upcast:
+    case Kernel::Fold2d:
     case Kernel::Count: break;
   }
   return "not a tunable kernel";
@@ -1191,6 +1300,7 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
     case Kernel::Sum:
       return Result{at::Tensor(), at::Tensor(), a.output_mask[2] ? grad_bias(a.grad_output) : at::Tensor()};
     case Kernel::Upcast: return upcast_backward(a, depth_without_full_row(a, e) ? at::kDouble : at::kFloat);
+    case Kernel::Fold2d: return fold_2d_backward(a, e);
     case Kernel::DepthwisePlane:
     case Kernel::DepthwiseLanes:
     case Kernel::DepthwiseBands:
@@ -1742,9 +1852,9 @@ std::optional<Choice> tuned_choice(const Signature& key) {
 // names kernels, and one that cannot compute this call (a tampered file) is never run; a split needs
 // a call asking for both gradients.
 Choice usable_choice(Choice tuned, Kernel static_choice, const Args& a, const Expanded& e) {
-  // (reference_kernel only for an entry naming native or the upcast: this runs on every tuned call)
+  // (reference_kernel only for an entry naming native or its stand-ins: this runs on every tuned call)
   const auto can = [&](Kernel k) {
-    if (k == Kernel::Native || k == Kernel::Upcast) return k == reference_kernel(a, e);
+    if (k == Kernel::Native || k == Kernel::Upcast || k == Kernel::Fold2d) return k == reference_kernel(a, e);
     return k == static_choice || !candidate_unsupported(k, a, e);
   };
   const bool ok = can(tuned.gi) && can(tuned.gw) && (!tuned.split() || (a.output_mask[0] && a.output_mask[1]));
@@ -1787,14 +1897,15 @@ std::pair<Choice, Result> choose_and_run(const Args& a, const Expanded& e, Layer
   return {choice, std::move(*result)};
 }
 
-// The upcast copies of a dead-taps call, served like any call (their class cannot be dead-taps
-// again: float32 only where depth_without_full_row does not hold, float64 never), but counted as
-// part of the outer call: stats() and the tracer name the outer call's class and kernel ("upcast";
-// its tuning record, when it tuned, is this computation's).
-Result serve_in_compute_dtype(const Args& f) {
+// The call a dead-taps call stands on (its upcast copies, or the 2-D call it folds into), served like
+// any call (its class cannot be dead-taps again: the upcast is float32 only where
+// depth_without_full_row does not hold, float64 never; the folded call is 2-D, with the 3-D call's
+// taps), but counted as part of the outer call: stats() and the tracer name the outer call's class
+// and kernel ("upcast", "fold-2d"; its tuning record, when it tuned, is this computation's).
+Result serve_derived_call(const Args& f) {
   const Expanded e = check_args(f);
   const LayerClass cls = classify(f, e);
-  TORCH_INTERNAL_ASSERT(cls != LayerClass::DeadTaps, "convolution_backward[compiled]: upcast call is dead-taps again");
+  TORCH_INTERNAL_ASSERT(cls != LayerClass::DeadTaps, "convolution_backward[compiled]: derived call is dead-taps again");
   return choose_and_run(f, e, cls).second;
 }
 
@@ -1920,9 +2031,10 @@ std::optional<Result> run_named_kernel(const std::string& name, const Args& a) {
     if (k == Kernel::Native && reference != Kernel::Native) {
       throw py::value_error(
           "native cannot compute this call: torch 2.13's oneDNN path native takes is known to crash or be wrong on "
-          "it (the dead-taps conditions); 'upcast' stands in for it");
+          "it (the dead-taps conditions); '" + std::string(kernel_name(reference)) + "' stands in for it");
     }
     if (k == table || k == reference) continue;
+    if (k == Kernel::Fold2d && fold_2d_applies(a, e)) continue;  // not tuned: run here where it applies
     if (!tunable(cls, a)) {
       throw py::value_error(c10::str("a call of class ", kLayerClasses[static_cast<int>(cls)].name, " is served by ",
                                      kernel_name(table), " only"));

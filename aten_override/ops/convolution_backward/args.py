@@ -20,6 +20,7 @@ the dispatcher.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -39,6 +40,8 @@ __all__ = [
     "width_one_transposed",
     "onednn_defect",
     "padded_3d",
+    "amx_3d_weight",
+    "cpu_has_amx_bf16",
     "depth_without_full_row",
     "native_defect_reason",
 ]
@@ -192,11 +195,33 @@ def padded_3d(args: ConvolutionBackwardArgs) -> bool:
     return short and any(p > 0 for p in a.padding)
 
 
+@functools.cache
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX-BF16 (``torch._C._cpu._get_cpu_capability()``, cpuinfo's reading of
+    CPUID). Mirrors ``cpu_has_amx_bf16`` in csrc/convolution_backward.cpp."""
+    return bool(torch._C._cpu._get_cpu_capability().get("amx_bf16", False))
+
+
+def amx_3d_weight(args: ConvolutionBackwardArgs) -> bool:
+    """Whether a regular bfloat16 3-D call asks for ``grad_weight`` on a CPU with AMX-BF16.
+
+    There torch 2.13's oneDNN weight gradient (``brgconv_bwd_w:avx10_1_512_amx``) is off by 12-52% of
+    its scale on larger planes, the same on every run: e.g. ``input (2, 64, 4, 56, 56)``, kernel
+    1x3x3, padding ``[0, 1, 1]`` (R(2+1)D's spatial layers), or a 1x1x1 kernel at depth 1. 2-D
+    layers, float16 and ``grad_input`` were right (scripts/sweep_native_defects.py and a random
+    sweep of 3-D layers, Sapphire Rapids). No size bound separates the wrong calls from the right ones
+    (input channels x plane 1e5-9e5 elements among the wrong, up to 3e6 among the right), so every
+    such call counts. Mirrors ``amx_3d_weight`` in csrc/convolution_backward.cpp.
+    """
+    return (not args.transposed and args.weight.dim() == 5 and args.grad_output.dtype == torch.bfloat16
+            and bool(args.output_mask[1]) and cpu_has_amx_bf16())
+
+
 def onednn_defect(args: ConvolutionBackwardArgs) -> bool:
     """Whether torch 2.13's oneDNN convolutions are known wrong on ``args`` in bfloat16 / float16:
-    :func:`has_dead_tap`, :func:`width_one_transposed` or :func:`padded_3d`. Mirrors
-    ``onednn_defect`` in csrc/convolution_backward.cpp."""
-    return has_dead_tap(args) or padded_3d(args) or width_one_transposed(
+    :func:`has_dead_tap`, :func:`width_one_transposed`, :func:`padded_3d` or :func:`amx_3d_weight`.
+    Mirrors ``onednn_defect`` in csrc/convolution_backward.cpp."""
+    return has_dead_tap(args) or padded_3d(args) or amx_3d_weight(args) or width_one_transposed(
         transposed=args.transposed, input_size=args.input.shape[2:], kernel=args.weight.shape[2:])
 
 
@@ -472,7 +497,8 @@ def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_siz
     3-D layers with padding > stride in depth and no row there meeting the whole kernel
     (:func:`depth_without_full_row`) get wrong gradients, a hang or a corrupted heap in every dtype
     but float64; regular padded 3-D bfloat16 layers with a dim shorter than the kernel (``args.padded_3d``) get unwritten outputs, and a
-    corrupted heap has aborted a test process after one. A crash or garbage cannot be compared against, so the fuzzer draws these calls in
+    corrupted heap has aborted a test process after one; on a CPU with AMX-BF16, regular 3-D bfloat16
+    layers get a wrong ``grad_weight`` (:func:`amx_3d_weight`). A crash or garbage cannot be compared against, so the fuzzer draws these calls in
     float32, or float64 where float32 is affected too.
     """
     if device_type != "cpu" or dtype == torch.float64:
@@ -493,4 +519,7 @@ def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_siz
     if dtype == torch.bfloat16 and not transposed and len(kernel) == 3 and any(int(p) > 0 for p in padding):
         return ("the original CPU kernel leaves parts of grad_weight / grad_input unwritten and can corrupt the heap "
                 "on padded 3-D bfloat16 layers (oneDNN, torch 2.13; args.padded_3d)")
+    if dtype == torch.bfloat16 and not transposed and len(kernel) == 3 and cpu_has_amx_bf16():
+        return ("the original CPU kernel's grad_weight is off by up to half its scale on regular 3-D bfloat16 layers "
+                "on a CPU with AMX-BF16 (oneDNN, torch 2.13; args.amx_3d_weight)")
     return None

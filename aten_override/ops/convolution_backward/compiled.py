@@ -77,7 +77,12 @@ dead-taps            upcast   bfloat16/float16 where native picks oneDNN and a k
                               and no row there that meets the whole kernel (transposed: no input
                               position writing inside the output; regular: no output position reading
                               inside the input): oneDNN's float32 gradients are wrong, hang or corrupt
-                              the heap on some; computed in float64 the same way
+                              the heap on some; computed in float64 the same way. And regular
+                              bfloat16 3-D layers asking for grad_weight on a CPU with AMX-BF16
+                              (``args.amx_3d_weight``: oneDNN's grad_weight off by up to half its
+                              scale on larger planes): where the call folds into a 2-D one (a 1x1
+                              spatial kernel, or kernel depth 1 without depth padding: R(2+1)D's
+                              layers), fold-2d serves that bfloat16 2-D call, where native is right
                               (tests/ops/convolution_backward/test_native_defects.py)
 grouped-lanes        direct   float32/float64/bfloat16, more than 64 channel pairs per group, 2 to 64
                               channels on each side, some stride > 1, at least 2^20 grad_output

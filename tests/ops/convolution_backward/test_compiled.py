@@ -17,7 +17,7 @@ import torch
 import aten_override
 from aten_override import _registration
 from aten_override.ops.convolution_backward import compiled
-from aten_override.ops.convolution_backward.args import ConvolutionBackwardArgs
+from aten_override.ops.convolution_backward.args import ConvolutionBackwardArgs, amx_3d_weight
 
 COMPILED_UNAVAILABLE = aten_override.availability()["compiled"]
 pytestmark = pytest.mark.skipif(COMPILED_UNAVAILABLE is not None, reason=str(COMPILED_UNAVAILABLE))
@@ -250,6 +250,8 @@ def test_matches_original(layer, geometry, dims, dtype, memory_format, output_ma
     expected = layer.layer_class
     if layer.layer_class == "dense":
         expected = DENSE_CLAIMED.get((dims, geometry.name, dtype), "dense")
+    if expected == "dense" and amx_3d_weight(args):
+        expected = "dead-taps"  # native's bfloat16 3-D grad_weight is wrong on AMX: fold-2d or the upcast
     if not output_mask[0] and not output_mask[1] and expected != "empty":
         expected = "bias-only"  # grad_bias alone is grad_output's sum, whatever the layer
     assert_compiled_served(expected)

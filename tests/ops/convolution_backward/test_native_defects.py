@@ -16,6 +16,10 @@ kernels, strides, paddings and dilations (each call in a forked child): every wr
 call had a dead tap, float32 none. The compiled backend serves these calls in its ``dead-taps``
 class (native in float32, rounded once); the python backend never calls the original kernel.
 
+And regular bfloat16 3-D layers on a CPU with AMX-BF16 (``args.amx_3d_weight``): oneDNN's weight
+gradient is off by 12-52% of its scale on larger planes, the same on every run, R(2+1)D's spatial
+1x3x3 layers among them (found by a helper's sweep of R(2+1)D-like layers on Sapphire Rapids).
+
 And 3-D layers, float32 too, with padding > stride in depth and no row there that meets the whole
 kernel (``args.depth_without_full_row``): oneDNN's gradients are wrong, and on some it segfaults,
 aborts on a corrupted heap, or hangs. Transposed ones were found by the sweep; regular ones (e.g.
@@ -37,7 +41,12 @@ import torch
 
 import aten_override
 from aten_override.ops.convolution_backward import python_impl
-from aten_override.ops.convolution_backward.args import depth_without_full_row
+from aten_override.ops.convolution_backward.args import (
+    ConvolutionBackwardArgs,
+    amx_3d_weight,
+    cpu_has_amx_bf16,
+    depth_without_full_row,
+)
 from aten_override.testing.skips import dead_taps, width_one_transposed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -172,6 +181,122 @@ def test_bfloat16_grad_input_of_transposed_width_one_is_repeatable(name, backend
                              kernel=list(w.shape[2:]), stride=stride, padding=padding, dilation=dilation))
     assert width_one_transposed(transposed=True, input_size=list(x.shape[2:]), kernel=list(w.shape[2:]))
     _check_repeatable_and_right(args, backend)
+
+
+# (input size, kernel, padding), regular bfloat16 3-D, 64 channels, batch 2, no dead tap, no short
+# dim: native's grad_weight was 0.32 and 0.12 of its scale off (float64 reference), run after run
+AMX_3D = {
+    "x1x56x56-k1x1x1": ((1, 56, 56), (1, 1, 1), (0, 0, 0)),
+    "x4x56x56-k1x3x3-p0x1x1": ((4, 56, 56), (1, 3, 3), (0, 1, 1)),  # R(2+1)D-18's layer1 spatial layers
+}
+
+
+def test_amx_3d_weight_predicate():
+    """The Python predicate and the compiled backend agree: a regular bfloat16 3-D call that asks for
+    grad_weight never reaches the original kernel (dead-taps, or a class of our own kernels such as
+    pointwise) exactly where the CPU has AMX-BF16; float16, 2-D, transposed and grad_input-only calls
+    stay where they were."""
+    from aten_override.ops.convolution_backward import compiled
+
+    amx = cpu_has_amx_bf16()
+    assert amx == bool(torch._C._cpu._get_cpu_capability().get("amx_bf16", False))
+    cases = [  # (call, expected predicate)
+        (make_call(torch.bfloat16, 3, False, (4, 8, 8), 3, 1, 1, 1), amx),
+        (make_call(torch.bfloat16, 3, False, (4, 8, 8), (1, 3, 3), 1, (0, 1, 1), 1), amx),
+        (make_call(torch.bfloat16, 3, False, (4, 8, 8), (1, 1, 1), 1, 0, 1), amx),  # pointwise: our GEMMs
+        (make_call(torch.float16, 3, False, (4, 8, 8), 3, 1, 1, 1), False),
+        (make_call(torch.bfloat16, 2, False, (8, 8), 3, 1, 1, 1), False),
+        (make_call(torch.bfloat16, 3, True, (4, 8, 8), 3, 1, 1, 1), False),
+        (make_call(torch.bfloat16, 3, False, (4, 8, 8), 3, 1, 1, 1)[:-1] + ([True, False, True],), False),
+    ]
+    for call, expected in cases:
+        args = ConvolutionBackwardArgs(*call)
+        assert amx_3d_weight(args) == expected, call[1].shape
+        if compiled.unavailable_reason() is None and native_picks_onednn(call):
+            assert (compiled.planned_kernel(args) != "native") == expected, call[1].shape
+            stand_in = compiled.planned_kernel(args) in ("upcast", "fold-2d")
+            assert (compiled.layer_class(args) == "dead-taps") == (expected and stand_in)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(AMX_3D))
+def test_bfloat16_3d_grad_weight_is_right_on_amx(name, backend):
+    if not cpu_has_amx_bf16():
+        pytest.skip("no AMX-BF16 on this CPU: oneDNN's AMX weight gradient (args.amx_3d_weight) does not run here")
+    size, kernel, padding = AMX_3D[name]
+    args = make_call(torch.bfloat16, 3, False, size, kernel, 1, padding, 1, channels=64)
+    assert amx_3d_weight(ConvolutionBackwardArgs(*args))
+    expected = reference(args)[1]
+    for ours in _check_repeatable_and_right(args, backend):
+        assert (ours[1].double() - expected).abs().max().item() <= 2 ** -6 * expected.abs().max().item(), name
+    if backend == "compiled" and kernel == (1, 3, 3):  # R(2+1)D's spatial layers fold: bfloat16 2-D calls
+        assert aten_override.stats()["compiled_kernels"] == {"fold-2d": 3}
+    native = aten_override.original_kernel("cpu")(*args)[1]
+    if (native.double() - expected).abs().max().item() < 2 ** -6 * expected.abs().max().item():
+        pytest.skip(f"the original kernel was right on {name} here (torch {torch.__version__}): revisit "
+                    "args.amx_3d_weight")
+
+
+# (input size, kernel, stride, padding, dilation, groups): regular 3-D layers that fold into a 2-D
+# call (fold-2d): a 1x1 spatial kernel, plane into one row; or kernel depth 1, depth into the batch
+FOLD = {
+    "row-k3x1x1-p1": ((4, 6, 5), (3, 1, 1), (1, 1, 1), (1, 0, 0), (1, 1, 1), 1),
+    "row-k3x1x1-s2-p2-d2": ((7, 3, 4), (3, 1, 1), (2, 1, 1), (2, 0, 0), (2, 1, 1), 1),
+    "batch-k1x3x3-s1x2x2-p0x1x1": ((3, 7, 6), (1, 3, 3), (1, 2, 2), (0, 1, 1), (1, 1, 1), 1),
+    "batch-k1x3x3-s2x1x1-g2": ((5, 6, 6), (1, 3, 3), (2, 1, 1), (0, 1, 1), (1, 1, 1), 2),
+    "batch-k1x5x3-d1x2x1": ((2, 9, 5), (1, 5, 3), (1, 1, 1), (0, 2, 1), (3, 2, 1), 1),
+}
+MASKS = {"all": ((True, True, True), True), "weight": ((False, True, False), False),
+         "input-bias": ((True, False, True), True)}
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last_3d"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", list(FOLD))
+def test_fold_2d_is_the_3d_call(name, dtype, layout, mask):
+    """fold-2d (the stand-in where only args.amx_3d_weight makes native wrong) computes the 3-D call:
+    close to float64, exact zeros where the depth stride skips input slices, native's dtypes, shapes
+    and strides. Run by name, so it is checked on CPUs without AMX too."""
+    from aten_override.ops.convolution_backward import compiled
+
+    if compiled.unavailable_reason() is not None:
+        pytest.skip(compiled.unavailable_reason())
+    size, kernel, stride, padding, dilation, groups = FOLD[name]
+    output_mask, bias = MASKS[mask]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, *size, generator=g).to(dtype)
+    w = torch.randn(6, 4 // groups, *kernel, generator=g).to(dtype)
+    conv = (list(stride), list(padding), list(dilation), False, [0, 0, 0], groups)
+    go = torch.randn(torch.ops.aten.convolution(x.double(), w.double(), None, *conv).shape, generator=g).to(dtype)
+    if layout == "channels_last_3d":
+        x, go = (t.contiguous(memory_format=torch.channels_last_3d) for t in (x, go))
+    args = (go, x, w, [6] if bias else None, *conv, list(output_mask))
+    x_before, go_before = x.clone(), go.clone()
+    ours = compiled.extension().run_kernel("fold-2d", *args)
+    native = aten_override.original_kernel("cpu")(*args)
+    expected = reference(args)
+    assert torch.equal(x, x_before) and torch.equal(go, go_before)
+    for i, (o, n, e) in enumerate(zip(ours, native, expected)):
+        if not output_mask[i]:
+            assert o is None, i
+            continue
+        assert o.dtype == dtype and o.shape == n.shape and o.stride() == n.stride(), (i, o.stride(), n.stride())
+        tol = 2 ** -6 if dtype == torch.bfloat16 else 1e-5
+        assert (o.double() - e).abs().max().item() <= tol * e.abs().max().item(), i
+        if i == 0 and stride[0] > 1:  # input slices the depth stride skips: exactly zero
+            skipped = [d for d in range(size[0]) if d % stride[0] or d // stride[0] >= go.shape[2]]
+            assert skipped and o[:, :, skipped].eq(0).all() and e[:, :, skipped].eq(0).all()
+
+
+def test_fold_2d_declines_calls_that_do_not_fold():
+    from aten_override.ops.convolution_backward import compiled
+
+    if compiled.unavailable_reason() is not None:
+        pytest.skip(compiled.unavailable_reason())
+    args = make_call(torch.float32, 3, False, (4, 6, 6), 3, 1, 1, 1)  # 3x3x3: neither fold
+    with pytest.raises(ValueError, match="fold-2d"):
+        compiled.extension().run_kernel("fold-2d", *args)
 
 
 # (transposed, input size, kernel, stride, padding), float32 3-D on oneDNN, no dead tap: native's
