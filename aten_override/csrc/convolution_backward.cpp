@@ -177,7 +177,7 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "such transposed layers; also transposed layers whose input has width 1 under a wider kernel (e.g. "
      "(N, C, 8, 1), kernel 3x3, stride 2: most of grad_input unwritten, no dead tap); and padded regular 3-D "
      "layers with a dim shorter than the dilated kernel (parts of both gradients unwritten, heap "
-     "corruption); and regular bfloat16 3-D layers asking for grad_weight on a CPU with AMX-BF16 (grad_weight "
+     "corruption); and bfloat16 3-D layers asking for grad_weight on a CPU with AMX-BF16 (grad_weight "
      "off by up to half its scale on larger planes: those that fold into a 2-D call, a 1x1 spatial kernel "
      "(R(2+1)D's 3x1x1) or kernel depth 1 without depth padding (its 1xkxk), are computed as that 2-D call "
      "in bfloat16 (fold-2d), where native's oneDNN path is right). Otherwise computed in float32 (correct there) by the compiled backend's own choice for the float32 "
@@ -666,15 +666,15 @@ bool cpu_has_amx_bf16() {
   return has;
 }
 
-// Whether a regular bfloat16 3-D call asks for grad_weight on a CPU with AMX-BF16: there 2.13's oneDNN
-// weight gradient (brgconv_bwd_w:avx10_1_512_amx) is off by 12-52% of its scale on larger planes,
-// the same on every run (e.g. input (2, 64, 4, 56, 56), kernel 1x3x3, padding [0, 1, 1], and a 1x1x1
-// kernel at depth 1; 2-D layers, float16 and grad_input were right). No size bound separates the
-// wrong calls found from the right ones (input channels x plane from 1e5 to 9e5 elements among the
-// wrong, to 3e6 among the right), so every such call counts. Mirrors args.amx_3d_weight.
+// Whether a bfloat16 3-D call asks for grad_weight on a CPU with AMX-BF16: there 2.13's oneDNN weight
+// gradient (brgconv_bwd_w:avx10_1_512_amx) is off by 12-52% of its scale on larger planes, regular
+// and transposed, the same on every run (e.g. input (2, 64, 4, 56, 56), kernel 1x3x3, padding
+// [0, 1, 1], and a 1x1x1 kernel at depth 1; 2-D layers, float16 and grad_input were right). No size
+// bound separates the wrong calls found from the right ones (input channels x plane from 1e5 to 9e5
+// elements among the wrong, to 3e6 among the right), so every such call counts. Mirrors
+// args.amx_3d_weight.
 bool amx_3d_weight(const Args& a, const Expanded& e) {
-  return !a.transposed && e.dims == 3 && a.grad_output.scalar_type() == at::kBFloat16 && a.output_mask[1] &&
-      cpu_has_amx_bf16();
+  return e.dims == 3 && a.grad_output.scalar_type() == at::kBFloat16 && a.output_mask[1] && cpu_has_amx_bf16();
 }
 
 // Whether 2.13's oneDNN convolutions are known wrong on this call in bfloat16 / float16. Mirrors
@@ -1000,31 +1000,36 @@ Result upcast_backward(const Args& a, at::ScalarType compute) {
   return {gi, gw, gb};
 }
 
-// How a regular 3-D call folds into a 2-D one: not at all; its plane into one row (a 1x1 spatial
-// kernel, no spatial padding, spatial stride 1: (N, C, D, H, W) is (N, C, D, H * W), a view where H
-// and W merge, kernel (k_d, 1)); or its depth into the batch (kernel depth 1, no depth padding: each
-// depth slice the stride samples is a 2-D problem of its own, (N * D_out, C, H, W)). R(2+1)D's
-// temporal 3x1x1 and spatial 1xkxk layers fold.
+// How a 3-D call folds into a 2-D one: not at all; its plane into one row (a 1x1 spatial kernel, no
+// spatial padding, spatial stride 1, no spatial output_padding: (N, C, D, H, W) is (N, C, D, H * W),
+// a view where H and W merge, kernel (k_d, 1)); or its depth into the batch (kernel depth 1, no depth
+// padding, no depth output_padding, and for transposed calls depth stride 1: each depth slice the
+// stride samples is a 2-D problem of its own, (N * D_out, C, H, W)). R(2+1)D's temporal 3x1x1 and
+// spatial 1xkxk layers fold.
 enum class Fold { None, PlaneIntoRow, DepthIntoBatch };
 
 Fold fold_of(const Args& a, const Expanded& e) {
-  if (a.transposed || e.dims != 3) return Fold::None;
+  if (e.dims != 3) return Fold::None;
+  const auto& op = e.output_padding;  // zeros for regular calls
   if (a.weight.size(3) == 1 && a.weight.size(4) == 1 && e.padding[1] == 0 && e.padding[2] == 0 && e.stride[1] == 1 &&
-      e.stride[2] == 1) {
+      e.stride[2] == 1 && op[1] == 0 && op[2] == 0) {
     return Fold::PlaneIntoRow;
   }
-  if (a.weight.size(2) == 1 && e.padding[0] == 0) return Fold::DepthIntoBatch;
+  if (a.weight.size(2) == 1 && e.padding[0] == 0 && op[0] == 0 && (!a.transposed || e.stride[0] == 1)) {
+    return Fold::DepthIntoBatch;
+  }
   return Fold::None;
 }
 
 // Whether fold-2d computes a CPU call: it folds, and has none of the defects its 2-D call would carry
-// over (dead taps; padded_3d's short dims and depth_without_full_row, kept out to be safe).
+// over (dead taps, width_one_transposed; padded_3d's short dims and depth_without_full_row, kept out to
+// be safe).
 bool fold_2d_applies(const Args& a, const Expanded& e) {
   return a.grad_output.is_cpu() && fold_of(a, e) != Fold::None && !has_dead_tap(a, e) && !padded_3d(a, e) &&
-      !depth_without_full_row(a, e);
+      !width_one_transposed(a) && !depth_without_full_row(a, e);
 }
 
-// The fold-2d kernel: a regular 3-D call computed as the 2-D call it folds into (fold_of), served by
+// The fold-2d kernel: a 3-D call computed as the 2-D call it folds into (fold_of), served by
 // this backend's choice for that call, in the call's own dtype, and put back into native's layout for
 // the 3-D call. It stands in for native where only amx_3d_weight makes native wrong: its 2-D oneDNN
 // path is right there, at native's bfloat16 speed (the float32 copies of the upcast took 3-7x
@@ -1036,7 +1041,7 @@ Result fold_2d_backward(const Args& a, const Expanded& e) {
   const OutputLayout layout = output_layout(a);
   const int64_t d_out = a.grad_output.size(2), s_d = e.stride[0];
   at::Tensor go, x, w;
-  std::vector<int64_t> stride, padding, dilation;
+  std::vector<int64_t> stride, padding, dilation, output_padding;
   if (fold == Fold::PlaneIntoRow) {
     go = a.grad_output.flatten(3);
     x = a.input.flatten(3);
@@ -1044,6 +1049,7 @@ Result fold_2d_backward(const Args& a, const Expanded& e) {
     stride = {s_d, 1};
     padding = {e.padding[0], 0};
     dilation = {e.dilation[0], 1};
+    output_padding = {e.output_padding[0], 0};
   } else {
     // (N, C, D, H, W) -> (N * D, C, H, W)
     const auto batch = [](const at::Tensor& t) { return t.transpose(1, 2).flatten(0, 1); };
@@ -1053,9 +1059,10 @@ Result fold_2d_backward(const Args& a, const Expanded& e) {
     stride = {e.stride[1], e.stride[2]};
     padding = {e.padding[1], e.padding[2]};
     dilation = {e.dilation[1], e.dilation[2]};
+    output_padding = {e.output_padding[1], e.output_padding[2]};
   }
-  const std::vector<int64_t> output_padding{0, 0};
-  const Args f{go, x, w, a.bias_sizes, stride, padding, dilation, false, output_padding, a.groups, a.output_mask};
+  const Args f{go, x, w, a.bias_sizes, stride, padding, dilation, a.transposed, output_padding, a.groups,
+               a.output_mask};
   auto [gi2, gw2, gb] = serve_derived_call(f);
   at::Tensor gi, gw;
   if (a.output_mask[0]) {
@@ -2034,7 +2041,14 @@ std::optional<Result> run_named_kernel(const std::string& name, const Args& a) {
           "it (the dead-taps conditions); '" + std::string(kernel_name(reference)) + "' stands in for it");
     }
     if (k == table || k == reference) continue;
-    if (k == Kernel::Fold2d && fold_2d_applies(a, e)) continue;  // not tuned: run here where it applies
+    if (k == Kernel::Fold2d) {  // not tuned: run by name wherever it applies
+      if (fold_2d_applies(a, e)) continue;
+      throw py::value_error(
+          "fold-2d cannot compute this call: it needs a 3-D CPU call that folds into a 2-D one (a 1x1 spatial kernel "
+          "with no spatial padding, stride or output_padding; or kernel depth 1 with no depth padding or "
+          "output_padding, and depth stride 1 if transposed) and no dead tap, short padded dim, or depth without a "
+          "full row");
+    }
     if (!tunable(cls, a)) {
       throw py::value_error(c10::str("a call of class ", kLayerClasses[static_cast<int>(cls)].name, " is served by ",
                                      kernel_name(table), " only"));

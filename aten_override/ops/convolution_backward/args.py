@@ -203,18 +203,18 @@ def cpu_has_amx_bf16() -> bool:
 
 
 def amx_3d_weight(args: ConvolutionBackwardArgs) -> bool:
-    """Whether a regular bfloat16 3-D call asks for ``grad_weight`` on a CPU with AMX-BF16.
+    """Whether a bfloat16 3-D call asks for ``grad_weight`` on a CPU with AMX-BF16.
 
     There torch 2.13's oneDNN weight gradient (``brgconv_bwd_w:avx10_1_512_amx``) is off by 12-52% of
-    its scale on larger planes, the same on every run: e.g. ``input (2, 64, 4, 56, 56)``, kernel
-    1x3x3, padding ``[0, 1, 1]`` (R(2+1)D's spatial layers), or a 1x1x1 kernel at depth 1. 2-D
-    layers, float16 and ``grad_input`` were right (scripts/sweep_native_defects.py and a random
-    sweep of 3-D layers, Sapphire Rapids). No size bound separates the wrong calls from the right ones
+    its scale on larger planes, regular and transposed, the same on every run: e.g. ``input (2, 64,
+    4, 56, 56)``, kernel 1x3x3, padding ``[0, 1, 1]`` (R(2+1)D's spatial layers), or a 1x1x1 kernel
+    at depth 1. 2-D layers, float16 and ``grad_input`` were right (random sweeps of 3-D layers,
+    regular and transposed, Sapphire Rapids). No size bound separates the wrong calls from the right ones
     (input channels x plane 1e5-9e5 elements among the wrong, up to 3e6 among the right), so every
     such call counts. Mirrors ``amx_3d_weight`` in csrc/convolution_backward.cpp.
     """
-    return (not args.transposed and args.weight.dim() == 5 and args.grad_output.dtype == torch.bfloat16
-            and bool(args.output_mask[1]) and cpu_has_amx_bf16())
+    return (args.weight.dim() == 5 and args.grad_output.dtype == torch.bfloat16 and bool(args.output_mask[1])
+            and cpu_has_amx_bf16())
 
 
 def onednn_defect(args: ConvolutionBackwardArgs) -> bool:
@@ -497,8 +497,8 @@ def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_siz
     3-D layers with padding > stride in depth and no row there meeting the whole kernel
     (:func:`depth_without_full_row`) get wrong gradients, a hang or a corrupted heap in every dtype
     but float64; regular padded 3-D bfloat16 layers with a dim shorter than the kernel (``args.padded_3d``) get unwritten outputs, and a
-    corrupted heap has aborted a test process after one; on a CPU with AMX-BF16, regular 3-D bfloat16
-    layers get a wrong ``grad_weight`` (:func:`amx_3d_weight`). A crash or garbage cannot be compared against, so the fuzzer draws these calls in
+    corrupted heap has aborted a test process after one; on a CPU with AMX-BF16, 3-D bfloat16 layers
+    get a wrong ``grad_weight`` (:func:`amx_3d_weight`). A crash or garbage cannot be compared against, so the fuzzer draws these calls in
     float32, or float64 where float32 is affected too.
     """
     if device_type != "cpu" or dtype == torch.float64:
@@ -519,7 +519,7 @@ def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_siz
     if dtype == torch.bfloat16 and not transposed and len(kernel) == 3 and any(int(p) > 0 for p in padding):
         return ("the original CPU kernel leaves parts of grad_weight / grad_input unwritten and can corrupt the heap "
                 "on padded 3-D bfloat16 layers (oneDNN, torch 2.13; args.padded_3d)")
-    if dtype == torch.bfloat16 and not transposed and len(kernel) == 3 and cpu_has_amx_bf16():
-        return ("the original CPU kernel's grad_weight is off by up to half its scale on regular 3-D bfloat16 layers "
+    if dtype == torch.bfloat16 and len(kernel) == 3 and cpu_has_amx_bf16():
+        return ("the original CPU kernel's grad_weight is off by up to half its scale on 3-D bfloat16 layers "
                 "on a CPU with AMX-BF16 (oneDNN, torch 2.13; args.amx_3d_weight)")
     return None

@@ -77,7 +77,7 @@ dead-taps            upcast   bfloat16/float16 where native picks oneDNN and a k
                               and no row there that meets the whole kernel (transposed: no input
                               position writing inside the output; regular: no output position reading
                               inside the input): oneDNN's float32 gradients are wrong, hang or corrupt
-                              the heap on some; computed in float64 the same way. And regular
+                              the heap on some; computed in float64 the same way. And
                               bfloat16 3-D layers asking for grad_weight on a CPU with AMX-BF16
                               (``args.amx_3d_weight``: oneDNN's grad_weight off by up to half its
                               scale on larger planes): where the call folds into a 2-D one (a 1x1

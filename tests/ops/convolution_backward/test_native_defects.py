@@ -16,9 +16,10 @@ kernels, strides, paddings and dilations (each call in a forked child): every wr
 call had a dead tap, float32 none. The compiled backend serves these calls in its ``dead-taps``
 class (native in float32, rounded once); the python backend never calls the original kernel.
 
-And regular bfloat16 3-D layers on a CPU with AMX-BF16 (``args.amx_3d_weight``): oneDNN's weight
-gradient is off by 12-52% of its scale on larger planes, the same on every run, R(2+1)D's spatial
-1x3x3 layers among them (found by a helper's sweep of R(2+1)D-like layers on Sapphire Rapids).
+And bfloat16 3-D layers on a CPU with AMX-BF16 (``args.amx_3d_weight``): oneDNN's weight gradient
+is off by 12-52% of its scale on larger planes, regular and transposed, the same on every run,
+R(2+1)D's spatial 1x3x3 layers among them (found by a helper's sweep of R(2+1)D-like layers on
+Sapphire Rapids, then random sweeps).
 
 And 3-D layers, float32 too, with padding > stride in depth and no row there that meets the whole
 kernel (``args.depth_without_full_row``): oneDNN's gradients are wrong, and on some it segfaults,
@@ -183,19 +184,20 @@ def test_bfloat16_grad_input_of_transposed_width_one_is_repeatable(name, backend
     _check_repeatable_and_right(args, backend)
 
 
-# (input size, kernel, padding), regular bfloat16 3-D, 64 channels, batch 2, no dead tap, no short
-# dim: native's grad_weight was 0.32 and 0.12 of its scale off (float64 reference), run after run
+# (transposed, input size, kernel, padding), bfloat16 3-D, 64 channels, batch 2, no dead tap, no
+# short dim: native's grad_weight was 0.32, 0.12 and 0.18 of its scale off (float64), run after run
 AMX_3D = {
-    "x1x56x56-k1x1x1": ((1, 56, 56), (1, 1, 1), (0, 0, 0)),
-    "x4x56x56-k1x3x3-p0x1x1": ((4, 56, 56), (1, 3, 3), (0, 1, 1)),  # R(2+1)D-18's layer1 spatial layers
+    "x1x56x56-k1x1x1": (False, (1, 56, 56), (1, 1, 1), (0, 0, 0)),
+    "x4x56x56-k1x3x3-p0x1x1": (False, (4, 56, 56), (1, 3, 3), (0, 1, 1)),  # R(2+1)D-18's layer1 spatial layers
+    "t-x2x56x56-k1x3x3-p0x1x1": (True, (2, 56, 56), (1, 3, 3), (0, 1, 1)),
 }
 
 
 def test_amx_3d_weight_predicate():
-    """The Python predicate and the compiled backend agree: a regular bfloat16 3-D call that asks for
-    grad_weight never reaches the original kernel (dead-taps, or a class of our own kernels such as
-    pointwise) exactly where the CPU has AMX-BF16; float16, 2-D, transposed and grad_input-only calls
-    stay where they were."""
+    """The Python predicate and the compiled backend agree: a bfloat16 3-D call that asks for
+    grad_weight, regular or transposed, never reaches the original kernel (dead-taps, or a class of
+    our own kernels such as pointwise) exactly where the CPU has AMX-BF16; float16, 2-D and
+    grad_input-only calls stay where they were."""
     from aten_override.ops.convolution_backward import compiled
 
     amx = cpu_has_amx_bf16()
@@ -206,7 +208,7 @@ def test_amx_3d_weight_predicate():
         (make_call(torch.bfloat16, 3, False, (4, 8, 8), (1, 1, 1), 1, 0, 1), amx),  # pointwise: our GEMMs
         (make_call(torch.float16, 3, False, (4, 8, 8), 3, 1, 1, 1), False),
         (make_call(torch.bfloat16, 2, False, (8, 8), 3, 1, 1, 1), False),
-        (make_call(torch.bfloat16, 3, True, (4, 8, 8), 3, 1, 1, 1), False),
+        (make_call(torch.bfloat16, 3, True, (4, 8, 8), 3, 1, 1, 1), amx),
         (make_call(torch.bfloat16, 3, False, (4, 8, 8), 3, 1, 1, 1)[:-1] + ([True, False, True],), False),
     ]
     for call, expected in cases:
@@ -223,8 +225,8 @@ def test_amx_3d_weight_predicate():
 def test_bfloat16_3d_grad_weight_is_right_on_amx(name, backend):
     if not cpu_has_amx_bf16():
         pytest.skip("no AMX-BF16 on this CPU: oneDNN's AMX weight gradient (args.amx_3d_weight) does not run here")
-    size, kernel, padding = AMX_3D[name]
-    args = make_call(torch.bfloat16, 3, False, size, kernel, 1, padding, 1, channels=64)
+    transposed, size, kernel, padding = AMX_3D[name]
+    args = make_call(torch.bfloat16, 3, transposed, size, kernel, 1, padding, 1, channels=64)
     assert amx_3d_weight(ConvolutionBackwardArgs(*args))
     expected = reference(args)[1]
     for ours in _check_repeatable_and_right(args, backend):
@@ -237,14 +239,17 @@ def test_bfloat16_3d_grad_weight_is_right_on_amx(name, backend):
                     "args.amx_3d_weight")
 
 
-# (input size, kernel, stride, padding, dilation, groups): regular 3-D layers that fold into a 2-D
-# call (fold-2d): a 1x1 spatial kernel, plane into one row; or kernel depth 1, depth into the batch
+# (input size, kernel, stride, padding, dilation, groups, transposed, output_padding): 3-D layers that
+# fold into a 2-D call (fold-2d): a 1x1 spatial kernel, plane into one row; or kernel depth 1, depth
+# into the batch
 FOLD = {
-    "row-k3x1x1-p1": ((4, 6, 5), (3, 1, 1), (1, 1, 1), (1, 0, 0), (1, 1, 1), 1),
-    "row-k3x1x1-s2-p2-d2": ((7, 3, 4), (3, 1, 1), (2, 1, 1), (2, 0, 0), (2, 1, 1), 1),
-    "batch-k1x3x3-s1x2x2-p0x1x1": ((3, 7, 6), (1, 3, 3), (1, 2, 2), (0, 1, 1), (1, 1, 1), 1),
-    "batch-k1x3x3-s2x1x1-g2": ((5, 6, 6), (1, 3, 3), (2, 1, 1), (0, 1, 1), (1, 1, 1), 2),
-    "batch-k1x5x3-d1x2x1": ((2, 9, 5), (1, 5, 3), (1, 1, 1), (0, 2, 1), (3, 2, 1), 1),
+    "row-k3x1x1-p1": ((4, 6, 5), (3, 1, 1), (1, 1, 1), (1, 0, 0), (1, 1, 1), 1, False, (0, 0, 0)),
+    "row-k3x1x1-s2-p2-d2": ((7, 3, 4), (3, 1, 1), (2, 1, 1), (2, 0, 0), (2, 1, 1), 1, False, (0, 0, 0)),
+    "batch-k1x3x3-s1x2x2-p0x1x1": ((3, 7, 6), (1, 3, 3), (1, 2, 2), (0, 1, 1), (1, 1, 1), 1, False, (0, 0, 0)),
+    "batch-k1x3x3-s2x1x1-g2": ((5, 6, 6), (1, 3, 3), (2, 1, 1), (0, 1, 1), (1, 1, 1), 2, False, (0, 0, 0)),
+    "batch-k1x5x3-d1x2x1": ((2, 9, 5), (1, 5, 3), (1, 1, 1), (0, 2, 1), (3, 2, 1), 1, False, (0, 0, 0)),
+    "t-row-k4x1x1-s2-p1-op1": ((4, 3, 5), (4, 1, 1), (2, 1, 1), (1, 0, 0), (1, 1, 1), 1, True, (1, 0, 0)),
+    "t-batch-k1x4x4-s1x2x2-p0x1x1-g2": ((3, 5, 4), (1, 4, 4), (1, 2, 2), (0, 1, 1), (1, 1, 1), 2, True, (0, 1, 0)),
 }
 MASKS = {"all": ((True, True, True), True), "weight": ((False, True, False), False),
          "input-bias": ((True, False, True), True)}
@@ -262,12 +267,13 @@ def test_fold_2d_is_the_3d_call(name, dtype, layout, mask):
 
     if compiled.unavailable_reason() is not None:
         pytest.skip(compiled.unavailable_reason())
-    size, kernel, stride, padding, dilation, groups = FOLD[name]
+    size, kernel, stride, padding, dilation, groups, transposed, output_padding = FOLD[name]
     output_mask, bias = MASKS[mask]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 4, *size, generator=g).to(dtype)
-    w = torch.randn(6, 4 // groups, *kernel, generator=g).to(dtype)
-    conv = (list(stride), list(padding), list(dilation), False, [0, 0, 0], groups)
+    w_shape = (4, 6 // groups) if transposed else (6, 4 // groups)
+    w = torch.randn(*w_shape, *kernel, generator=g).to(dtype)
+    conv = (list(stride), list(padding), list(dilation), transposed, list(output_padding), groups)
     go = torch.randn(torch.ops.aten.convolution(x.double(), w.double(), None, *conv).shape, generator=g).to(dtype)
     if layout == "channels_last_3d":
         x, go = (t.contiguous(memory_format=torch.channels_last_3d) for t in (x, go))
@@ -284,7 +290,7 @@ def test_fold_2d_is_the_3d_call(name, dtype, layout, mask):
         assert o.dtype == dtype and o.shape == n.shape and o.stride() == n.stride(), (i, o.stride(), n.stride())
         tol = 2 ** -6 if dtype == torch.bfloat16 else 1e-5
         assert (o.double() - e).abs().max().item() <= tol * e.abs().max().item(), i
-        if i == 0 and stride[0] > 1:  # input slices the depth stride skips: exactly zero
+        if i == 0 and stride[0] > 1 and not transposed:  # input slices the depth stride skips: exactly zero
             skipped = [d for d in range(size[0]) if d % stride[0] or d // stride[0] >= go.shape[2]]
             assert skipped and o[:, :, skipped].eq(0).all() and e[:, :, skipped].eq(0).all()
 
@@ -294,9 +300,12 @@ def test_fold_2d_declines_calls_that_do_not_fold():
 
     if compiled.unavailable_reason() is not None:
         pytest.skip(compiled.unavailable_reason())
-    args = make_call(torch.float32, 3, False, (4, 6, 6), 3, 1, 1, 1)  # 3x3x3: neither fold
-    with pytest.raises(ValueError, match="fold-2d"):
-        compiled.extension().run_kernel("fold-2d", *args)
+    for args in (
+        make_call(torch.float32, 3, False, (4, 6, 6), 3, 1, 1, 1),  # 3x3x3: neither fold
+        make_call(torch.float32, 3, True, (4, 6, 6), (1, 3, 3), 2, 0, 1),  # transposed, depth stride 2
+    ):
+        with pytest.raises(ValueError, match="fold-2d"):
+            compiled.extension().run_kernel("fold-2d", *args)
 
 
 # (transposed, input size, kernel, stride, padding), float32 3-D on oneDNN, no dead tap: native's
