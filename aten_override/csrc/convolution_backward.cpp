@@ -182,7 +182,9 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "(R(2+1)D's 3x1x1) or kernel depth 1 without depth padding (its 1xkxk), are computed as that 2-D call "
      "in bfloat16 (fold-2d), where native's oneDNN path is right). Otherwise computed in float32 (correct there) by the compiled backend's own choice for the float32 "
      "call (native, or a kernel measured faster: gemm-kn2row on R(2+1)D's 3x1x1 layers) and rounded once, "
-     "into native's layout. Also 3-D layers on oneDNN, any dtype but float64, with padding > stride in depth "
+     "into native's layout; where the dead taps are the kernel's ends, the call without them, in its own "
+     "dtype (kernel live-taps: R(2+1)D's 3x1x1 layers at one frame). Also 3-D layers on oneDNN, any dtype "
+     "but float64, with padding > stride in depth "
      "and no row there meeting the whole kernel (transposed: no input position writing inside the output; "
      "regular: no output position reading inside the input, e.g. depth 3, kernel 9, stride 4, padding 7): "
      "oneDNN's float32 gradients were wrong, hung or corrupted the heap on some; computed in float64 the "
@@ -202,6 +204,7 @@ enum class Kernel : int {
   Zeros,         // upstream's Empty backend (empty_backward)
   Sum,           // grad_bias alone
   Upcast,        // float32 / float64 copies, served by this backend's choice for them (the dead-taps class)
+  LiveTaps,      // the call without its dead taps, in its own dtype (the dead-taps class, where exact)
   DepthwisePlane,  // cpu/depthwise.cpp, plane by plane
   DepthwiseLanes,  // cpu/depthwise.cpp, channels in the vector lanes
   DepthwiseBands,  // cpu/depthwise.cpp, channels in the vector lanes, in bands of rows sized to L2
@@ -219,7 +222,8 @@ enum class Kernel : int {
   Count
 };
 
-constexpr const char* kKernelNames[] = {"native",          "zeros",           "sum",           "upcast",
+constexpr const char* kKernelNames[] = {"native",          "zeros",           "sum",             "upcast",
+                                        "live-taps",
                                         "depthwise-plane", "depthwise-lanes", "depthwise-bands", "direct",
                                         "grouped-lanes",   "gemm-im2col",     "gemm-kn2row",   "winograd",
                                         "pointwise-fused", "kn2row-lanes",    "pointwise-bf16",  "kn2row-planes",
@@ -977,6 +981,82 @@ Result winograd_backward(const Args& a, const Expanded& e) {
 
 Result serve_derived_call(const Args& f);
 
+// A regular call whose dead taps (has_dead_tap: kernel taps that only ever meet padding) lie at the
+// ends of the kernel in each dim, so that cutting them off and lowering the padding by as many dilated
+// taps gives the same outputs reading the same inputs: that call, whose grad_input is the whole call's
+// and whose grad_weight is the whole call's on the live taps (zero on the dead ones, exactly). nullopt
+// where no tap is dead, a dim has none live, the live taps are not one run, or the output sizes would
+// differ. E.g. R(2+1)D-18's temporal 3x1x1 layers at one frame (padding 1): kernel 1x1x1, padding 0.
+struct LiveTaps {
+  at::Tensor weight;              // a view of the live taps
+  std::vector<int64_t> padding;   // lowered by the dilated taps cut off before the live ones
+  std::vector<int64_t> first;     // per spatial dim, the first live tap
+  Args call(const Args& a, const at::Tensor& w) const {
+    return Args{a.grad_output, a.input, w, a.bias_sizes, a.stride, padding, a.dilation, a.transposed,
+                a.output_padding, a.groups, a.output_mask};
+  }
+};
+
+std::optional<LiveTaps> live_taps(const Args& a, const Expanded& e) {
+  if (a.transposed || !has_dead_tap(a, e)) return std::nullopt;
+  LiveTaps out;
+  out.padding = e.padding;
+  out.weight = a.weight;
+  for (int64_t i = 0; i < e.dims; ++i) {
+    const int64_t k = a.weight.size(2 + i), s = e.stride[i], p = e.padding[i], d = e.dilation[i];
+    const int64_t in = a.input.size(2 + i), n_out = a.grad_output.size(2 + i);
+    int64_t lo = -1, hi = -1;
+    for (int64_t j = 0; j < k; ++j) {
+      bool live = false;  // some output o reads input o*s - p + j*d inside [0, in)
+      for (int64_t o = 0; o < n_out && !live; ++o) live = o * s - p + j * d >= 0 && o * s - p + j * d < in;
+      if (!live) continue;
+      if (hi >= 0 && hi != j - 1) return std::nullopt;  // a dead tap between live ones
+      if (lo < 0) lo = j;
+      hi = j;
+    }
+    if (lo < 0 || lo * d > p) return std::nullopt;
+    const int64_t p2 = p - lo * d, k2 = hi - lo + 1;
+    if ((in + 2 * p2 - d * (k2 - 1) - 1) / s + 1 != n_out) return std::nullopt;
+    out.padding[i] = p2;
+    out.first.push_back(lo);
+    out.weight = out.weight.narrow(2 + i, lo, k2);
+  }
+  return out;
+}
+
+Kernel defect_stand_in(const Args& a, const Expanded& e);
+
+// Whether the live-taps kernel serves a dead-taps call: its dead taps can be cut off (live_taps), and
+// the call without them is computed in its own dtype: native is not known wrong on it, or it folds
+// into a 2-D call native is right on (fold-2d; on AMX, R(2+1)D's temporal layers at one frame).
+bool live_taps_serve(const Args& a, const Expanded& e) {
+  const auto live = live_taps(a, e);
+  if (!live) return false;
+  const Args f = live->call(a, live->weight);
+  const Expanded fe = check_args(f);
+  return classify(f, fe) != LayerClass::DeadTaps || defect_stand_in(f, fe) == Kernel::Fold2d;
+}
+
+// The live-taps kernel: the call without its dead taps, in its own dtype, served by this backend's
+// choice for it; grad_weight zero on the dead taps; native's layouts. nullopt where live_taps_serve
+// does not hold.
+std::optional<Result> live_taps_backward(const Args& a, const Expanded& e) {
+  if (!live_taps_serve(a, e)) return std::nullopt;
+  const auto live = live_taps(a, e);
+  const at::Tensor w = live->weight.contiguous(a.weight.suggest_memory_format());
+  const OutputLayout layout = output_layout(a);
+  auto [gi_live, gw_live, gb_live] = serve_derived_call(live->call(a, w));
+  at::Tensor gi, gw;
+  if (a.output_mask[0]) gi = empty_like_native(a.input.sizes(), a.input.options(), layout.fmt).copy_(gi_live);
+  if (a.output_mask[1]) {
+    gw = empty_like_native_weight(a.weight, layout).zero_();
+    at::Tensor taps = gw;
+    for (int64_t i = 0; i < e.dims; ++i) taps = taps.narrow(2 + i, live->first[i], w.size(2 + i));
+    taps.copy_(gw_live);
+  }
+  return Result{gi, gw, a.output_mask[2] ? gb_live : at::Tensor()};
+}
+
 // The dead-taps class: the call computed in `compute` (float32; float64 where native's float32
 // oneDNN path is wrong too) by the compiled backend's own choice for that call (measured, or the
 // table's: e.g. gemm-kn2row for R(2+1)D's padded 3x1x1 layers, where native's float32 path is its
@@ -1165,10 +1245,13 @@ std::optional<Choice> parse_choice(const std::string& name) {
   return Choice{*gi, *gw};
 }
 
-// What computes a call native is known wrong on: fold-2d where amx_3d_weight is the only defect and
-// the call folds (native's 2-D path is right there), else the upcast.
+// What computes a call native is known wrong on, in the call's own dtype where that is exact: fold-2d
+// where amx_3d_weight is the only defect and the call folds (native's 2-D path is right there);
+// live-taps where the dead taps are the kernel's ends and the call without them is served so; else the
+// upcast.
 Kernel defect_stand_in(const Args& a, const Expanded& e) {
-  return amx_3d_weight(a, e) && fold_2d_applies(a, e) ? Kernel::Fold2d : Kernel::Upcast;
+  if (amx_3d_weight(a, e) && fold_2d_applies(a, e)) return Kernel::Fold2d;
+  return live_taps_serve(a, e) ? Kernel::LiveTaps : Kernel::Upcast;
 }
 
 // What stands for native on a call: native, or where native_defective holds defect_stand_in (the
@@ -1272,6 +1355,7 @@ std::optional<std::string> candidate_unsupported(Kernel k, const Args& a, const 
     case Kernel::Sum:
     case Kernel::Upcast:
     case Kernel::Fold2d:
+    case Kernel::LiveTaps:
     case Kernel::Count: break;
   }
   return "not a tunable kernel";
@@ -1308,6 +1392,7 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
       return Result{at::Tensor(), at::Tensor(), a.output_mask[2] ? grad_bias(a.grad_output) : at::Tensor()};
     case Kernel::Upcast: return upcast_backward(a, depth_without_full_row(a, e) ? at::kDouble : at::kFloat);
     case Kernel::Fold2d: return fold_2d_backward(a, e);
+    case Kernel::LiveTaps: return live_taps_backward(a, e);
     case Kernel::DepthwisePlane:
     case Kernel::DepthwiseLanes:
     case Kernel::DepthwiseBands:
@@ -1861,7 +1946,9 @@ std::optional<Choice> tuned_choice(const Signature& key) {
 Choice usable_choice(Choice tuned, Kernel static_choice, const Args& a, const Expanded& e) {
   // (reference_kernel only for an entry naming native or its stand-ins: this runs on every tuned call)
   const auto can = [&](Kernel k) {
-    if (k == Kernel::Native || k == Kernel::Upcast || k == Kernel::Fold2d) return k == reference_kernel(a, e);
+    if (k == Kernel::Native || k == Kernel::Upcast || k == Kernel::Fold2d || k == Kernel::LiveTaps) {
+      return k == reference_kernel(a, e);
+    }
     return k == static_choice || !candidate_unsupported(k, a, e);
   };
   const bool ok = can(tuned.gi) && can(tuned.gw) && (!tuned.split() || (a.output_mask[0] && a.output_mask[1]));
@@ -1904,15 +1991,17 @@ std::pair<Choice, Result> choose_and_run(const Args& a, const Expanded& e, Layer
   return {choice, std::move(*result)};
 }
 
-// The call a dead-taps call stands on (its upcast copies, or the 2-D call it folds into), served like
-// any call (its class cannot be dead-taps again: the upcast is float32 only where
-// depth_without_full_row does not hold, float64 never; the folded call is 2-D, with the 3-D call's
-// taps), but counted as part of the outer call: stats() and the tracer name the outer call's class
-// and kernel ("upcast", "fold-2d"; its tuning record, when it tuned, is this computation's).
+// The call a dead-taps call stands on (its upcast copies, the 2-D call it folds into, or the call
+// without its dead taps), served like any call (the upcast's class cannot be dead-taps again: float32
+// only where depth_without_full_row does not hold, float64 never; the folded call is 2-D, with the
+// 3-D call's taps; the call without dead taps is dead-taps only where it folds), but counted as part
+// of the outer call: stats() and the tracer name the outer call's class and kernel ("upcast",
+// "fold-2d", "live-taps"; its tuning record, when it tuned, is this computation's).
 Result serve_derived_call(const Args& f) {
   const Expanded e = check_args(f);
   const LayerClass cls = classify(f, e);
-  TORCH_INTERNAL_ASSERT(cls != LayerClass::DeadTaps, "convolution_backward[compiled]: derived call is dead-taps again");
+  TORCH_INTERNAL_ASSERT(cls != LayerClass::DeadTaps || defect_stand_in(f, e) == Kernel::Fold2d,
+                        "convolution_backward[compiled]: derived call is dead-taps again");
   return choose_and_run(f, e, cls).second;
 }
 

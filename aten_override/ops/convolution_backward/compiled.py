@@ -83,7 +83,12 @@ dead-taps            upcast   bfloat16/float16 where native picks oneDNN and a k
                               scale on larger planes): where the call folds into a 2-D one (a 1x1
                               spatial kernel, or kernel depth 1 without depth padding: R(2+1)D's
                               layers), fold-2d serves that bfloat16 2-D call, where native is right
-                              (tests/ops/convolution_backward/test_native_defects.py)
+                              (tests/ops/convolution_backward/test_native_defects.py).
+                              A regular call whose dead taps are the kernel's ends in each dim
+                              (R(2+1)D's 3x1x1 layers at one frame, padding 1) is the same
+                              convolution without them and with the padding lowered: kernel
+                              ``live-taps`` serves that call in its own dtype (where native is right
+                              on it, or it folds), grad_weight zero on the dead taps
 grouped-lanes        direct   float32/float64/bfloat16, more than 64 channel pairs per group, 2 to 64
                               channels on each side, some stride > 1, at least 2^20 grad_output
                               elements (ResNeXt's stride-2 layers; fewer or stride 1: dense): each
