@@ -13,9 +13,11 @@ child, so a segfault does not end the sweep. Per call it records:
   contiguous layout (see :func:`measure`); ``tol`` is twice bfloat16's rounding (2**-7) for
   bfloat16 / float16, 1e-5 for float32, 1e-12 for float64 (so float64 checks layouts only);
 - which condition our backends use to avoid native's oneDNN path holds: a dead tap
-  (``args.dead_taps``), a transposed layer of input width 1 (``args.width_one_transposed``; these
-  two make ``args.onednn_defect``, bfloat16 / float16 only), or a 3-D transposed layer with no
-  row meeting the whole kernel in depth (``args.depth_without_full_row``, any dtype).
+  (``args.dead_taps``), a transposed layer of input width 1 (``args.width_one_transposed``), a
+  padded regular 3-D layer with a dim shorter than its kernel (``args.padded_3d``; these three make
+  ``args.onednn_defect``, bfloat16 / float16 only), a 3-D bfloat16 layer asking for grad_weight on
+  a CPU with AMX-BF16 (``args.amx_3d_weight``), or a 3-D layer with no row meeting the whole kernel
+  in depth (``args.depth_without_full_row``, any dtype).
 
 Each defective call is then run on our backends (``--backends``; also in forked children): no
 crash, bit-for-bit repeatable, within ``tol`` of float64, native's dtype, shape and strides where
@@ -24,6 +26,11 @@ native returned, and, for the compiled backend, the layer class it counted.
 Not run by CI: a few thousand calls take minutes on one core. Example::
 
     PYTHONPATH=. python scripts/sweep_native_defects.py --calls 3000 --seed 0 --dtypes bfloat16,float16
+
+``--channels`` draws 16-128 channels per group and ``--max-size`` larger planes: the defects that
+show only on larger calls (``args.amx_3d_weight``: from about 1e5 input elements per depth slice)::
+
+    PYTHONPATH=. python scripts/sweep_native_defects.py --calls 200 --dtypes bfloat16 --channels --max-size 64
 """
 
 from __future__ import annotations
@@ -41,7 +48,14 @@ import zlib
 import torch
 
 import aten_override
-from aten_override.ops.convolution_backward.args import dead_taps, depth_without_full_row, width_one_transposed
+from aten_override.ops.convolution_backward.args import (
+    ConvolutionBackwardArgs,
+    amx_3d_weight,
+    dead_taps,
+    depth_without_full_row,
+    padded_3d,
+    width_one_transposed,
+)
 
 OP = torch.ops.aten.convolution_backward.default
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,7 +103,8 @@ class Call:
 
     def condition(self) -> str:
         """Which condition our backends avoid native's oneDNN path on holds: ``dead-tap``,
-        ``width-one`` (both ``args.onednn_defect``, reduced precision), ``depth`` (any dtype) or ``none``."""
+        ``width-one``, ``padded-3d`` (``args.onednn_defect``, reduced precision), ``amx-3d-weight``
+        (bfloat16), ``depth`` (any dtype) or ``none``."""
         if depth_without_full_row(transposed=self.transposed, input_size=self.size, kernel=self.kernel,
                                   grad_output_size=self.output_size(), stride=self.stride, padding=self.padding,
                                   dilation=self.dilation):
@@ -98,19 +113,34 @@ class Call:
             return "dead-tap"
         if width_one_transposed(transposed=self.transposed, input_size=self.size, kernel=self.kernel):
             return "width-one"
+        go, x, w, *rest = self.aten_args(meta=True)
+        args = ConvolutionBackwardArgs(go, x, w, *rest)
+        if padded_3d(args):
+            return "padded-3d"
+        if amx_3d_weight(args):
+            return "amx-3d-weight"
         return "none"
 
     def covered(self, condition: str) -> bool:
         """Whether our backends avoid native's oneDNN path on this call (``condition()``)."""
+        if condition == "amx-3d-weight":
+            return self.dtype == "bfloat16"
         return condition == "depth" or (condition != "none" and self.dtype in ("bfloat16", "float16"))
 
-    def aten_args(self, dtype: torch.dtype | None = None, contiguous: bool = False, absolute: bool = False) -> tuple:
+    def aten_args(self, dtype: torch.dtype | None = None, contiguous: bool = False, absolute: bool = False,
+                  meta: bool = False) -> tuple:
         """The positional arguments, values seeded by the call; ``dtype`` overrides the values'
-        dtype after rounding to the call's own (the float64 reference); ``absolute`` takes ``abs()``."""
+        dtype after rounding to the call's own (the float64 reference); ``absolute`` takes ``abs()``;
+        ``meta``: meta tensors of the call's dtype (for the ``args`` predicates)."""
         g = torch.Generator().manual_seed(zlib.crc32(repr(self).encode()))
         own = DTYPES[self.dtype]
         w_shape = ((self.c_in, self.c_out // self.groups) if self.transposed else
                    (self.c_out, self.c_in // self.groups)) + self.kernel
+        if meta:
+            shapes = ((self.batch, self.c_out, *self.output_size()), (self.batch, self.c_in, *self.size), w_shape)
+            go, x, w = (torch.empty(shape, dtype=own, device="meta") for shape in shapes)
+            return (go, x, w, [self.c_out], list(self.stride), list(self.padding), list(self.dilation),
+                    self.transposed, list(self.output_padding), self.groups, list(self.output_mask))
         tensors = {
             "i": torch.randn(self.batch, self.c_in, *self.size, generator=g, dtype=torch.float64),
             "w": torch.randn(w_shape, generator=g, dtype=torch.float64),
@@ -141,14 +171,16 @@ class Call:
                 f"groups={self.groups} {per_dim}{cl} mask={mask}")
 
 
-def draw(rng: random.Random, dtypes: list[str], max_size: int) -> Call:
-    """A random valid call (output size >= 1 in every dim)."""
+def draw(rng: random.Random, dtypes: list[str], max_size: int, channels: bool = False) -> Call:
+    """A random valid call (output size >= 1 in every dim); ``channels``: 16-128 channels per group
+    (depthwise: the multiplier stays 1-2), not 1-8."""
     dims = rng.choice([1, 1, 2, 2, 2, 3])
     transposed = rng.random() < 0.5
     kind = rng.choice(["dense", "dense", "grouped", "depthwise"])
     groups = 1 if kind == "dense" else rng.choice([2, 3, 4])
-    per_group_in = 1 if kind == "depthwise" else rng.choice([1, 2, 3, 8])
-    per_group_out = rng.choice([1, 2]) if kind == "depthwise" else rng.choice([1, 2, 3, 8])
+    widths = [16, 32, 64, 128] if channels else [1, 2, 3, 8]
+    per_group_in = 1 if kind == "depthwise" else rng.choice(widths)
+    per_group_out = rng.choice([1, 2]) if kind == "depthwise" else rng.choice(widths)
     biggest = max_size if dims < 3 else max(2, max_size // 2)
     while True:
         size, kernel, stride, padding, dilation, output_padding = [], [], [], [], [], []
@@ -292,6 +324,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="bfloat16,float16,float32,float64",
                         help="comma-separated dtypes to draw from (default: all four)")
     parser.add_argument("--max-size", type=int, default=12, help="largest spatial size per dim (3-D: half)")
+    parser.add_argument("--channels", action="store_true",
+                        help="16-128 channels per group instead of 1-8 (with a larger --max-size: larger calls)")
     parser.add_argument("--backends", default="compiled,python",
                         help="our backends to check on each defective call ('' for none)")
     parser.add_argument("--timeout", type=int, default=120, help="seconds per child before SIGALRM")
@@ -313,7 +347,7 @@ def main(argv=None) -> int:
     table = collections.Counter()  # (dtype, backend, condition, defect kind)
     uncovered, ours_failed, classes = [], [], collections.Counter()
     for n in range(args.calls):
-        call = draw(rng, dtypes, args.max_size)
+        call = draw(rng, dtypes, args.max_size, args.channels)
         backend = BACKEND_NAMES.get(call.native_backend(), "?")
         condition = call.condition()
         native = in_child(lambda: measure(call, native_run), args.timeout)
