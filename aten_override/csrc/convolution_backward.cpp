@@ -177,14 +177,15 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "such transposed layers; also transposed layers whose input has width 1 under a wider kernel (e.g. "
      "(N, C, 8, 1), kernel 3x3, stride 2: most of grad_input unwritten, no dead tap); and padded regular 3-D "
      "layers with a dim shorter than the dilated kernel (parts of both gradients unwritten, heap "
-     "corruption); and bfloat16 3-D layers asking for grad_weight on a CPU with AMX-BF16 (grad_weight "
-     "off by up to half its scale on larger planes: those that fold into a 2-D call, a 1x1 spatial kernel "
-     "(R(2+1)D's 3x1x1) or kernel depth 1 without depth padding (its 1xkxk), are computed as that 2-D call "
-     "in bfloat16 (fold-2d), where native's oneDNN path is right). Otherwise computed in float32 (correct there) by the compiled backend's own choice for the float32 "
-     "call (native, or a kernel measured faster: gemm-kn2row on R(2+1)D's 3x1x1 layers) and rounded once, "
-     "into native's layout; where the dead taps are the kernel's ends, the call without them, in its own "
-     "dtype (kernel live-taps: R(2+1)D's 3x1x1 layers at one frame). Also 3-D layers on oneDNN, any dtype "
-     "but float64, with padding > stride in depth "
+     "corruption); bfloat16 3-D layers asking for grad_weight on a CPU with AMX-BF16 (grad_weight off by up "
+     "to half its scale on larger planes: those that fold into a 2-D call, a 1x1 spatial kernel (R(2+1)D's "
+     "3x1x1) or kernel depth 1 without depth padding (its 1xkxk), are computed as that 2-D call in bfloat16 "
+     "(fold-2d), where native's oneDNN path is right); and bfloat16 2-D transposed depthwise layers with a "
+     "dilation and a channels-last input (grad_weight NaN). Otherwise computed in float32 (correct "
+     "there) by the compiled backend's own choice for the float32 call (native, or a kernel measured "
+     "faster: gemm-kn2row on R(2+1)D's 3x1x1 layers) and rounded once, into native's layout; where the dead "
+     "taps are the kernel's ends, the call without them, in its own dtype (kernel live-taps: R(2+1)D's 3x1x1 "
+     "layers at one frame). Also 3-D layers on oneDNN, any dtype but float64, with padding > stride in depth "
      "and no row there meeting the whole kernel (transposed: no input position writing inside the output; "
      "regular: no output position reading inside the input, e.g. depth 3, kernel 9, stride 4, padding 7): "
      "oneDNN's float32 gradients were wrong, hung or corrupted the heap on some; computed in float64 the "
@@ -681,10 +682,24 @@ bool amx_3d_weight(const Args& a, const Expanded& e) {
   return e.dims == 3 && a.grad_output.scalar_type() == at::kBFloat16 && a.output_mask[1] && cpu_has_amx_bf16();
 }
 
+// Whether a bfloat16 2-D transposed depthwise call (groups == C_in > 1) with a dilation > 1 and a
+// channels-last input asks for grad_weight: 2.13's oneDNN grad_weight there was NaN or off by more
+// than its scale (e.g. input (2, 4, 3, 64) channels-last, weight (4, 1, 3, 1), dilation [2, 1],
+// stride 1; inputs at least 32 wide; found by a helper's fuzz through fold-2d, then on plain 2-D
+// calls on Sapphire Rapids). Right were: float16, a channel multiplier of 2, stride 2, a contiguous
+// input; the predicate keeps the wider set. Mirrors args.transposed_depthwise_dilated.
+bool transposed_depthwise_dilated(const Args& a, const Expanded& e) {
+  if (!a.transposed || e.dims != 2 || a.grad_output.scalar_type() != at::kBFloat16 || !a.output_mask[1]) return false;
+  if (a.groups <= 1 || a.groups != e.c_in) return false;
+  if (a.input.suggest_memory_format() != at::MemoryFormat::ChannelsLast) return false;
+  return e.dilation[0] > 1 || e.dilation[1] > 1;
+}
+
 // Whether 2.13's oneDNN convolutions are known wrong on this call in bfloat16 / float16. Mirrors
 // args.onednn_defect.
 bool onednn_defect(const Args& a, const Expanded& e) {
-  return has_dead_tap(a, e) || padded_3d(a, e) || width_one_transposed(a) || amx_3d_weight(a, e);
+  return has_dead_tap(a, e) || padded_3d(a, e) || width_one_transposed(a) || amx_3d_weight(a, e) ||
+      transposed_depthwise_dilated(a, e);
 }
 
 // Whether native would serve the call on a oneDNN path known to be wrong there, or to crash: a CPU
@@ -1101,12 +1116,22 @@ Fold fold_of(const Args& a, const Expanded& e) {
   return Fold::None;
 }
 
-// Whether fold-2d computes a CPU call: it folds, and has none of the defects its 2-D call would carry
-// over (dead taps, width_one_transposed; padded_3d's short dims and depth_without_full_row, kept out to
-// be safe).
+// Whether fold-2d computes a CPU call: it folds, has none of the defects its 2-D call would carry over
+// (dead taps, width_one_transposed; padded_3d's short dims and depth_without_full_row, kept out to be
+// safe), and its 2-D call needs no dilation: a dim of one tap takes dilation 1 (the same convolution),
+// where its output_padding allows (transposed: below the stride); a dim of more taps must have
+// dilation 1. Native's 2-D bfloat16 path corrupted the heap on folded calls keeping a dilation on a
+// one-tap dim, and gave NaN on a transposed depthwise one dilated in its tapped dim, both with a
+// channels-last input (found by a helper's fuzz; native's 3-D path was right on the same calls).
 bool fold_2d_applies(const Args& a, const Expanded& e) {
-  return a.grad_output.is_cpu() && fold_of(a, e) != Fold::None && !has_dead_tap(a, e) && !padded_3d(a, e) &&
-      !width_one_transposed(a) && !depth_without_full_row(a, e);
+  if (!a.grad_output.is_cpu() || fold_of(a, e) == Fold::None || has_dead_tap(a, e) || padded_3d(a, e) ||
+      width_one_transposed(a) || depth_without_full_row(a, e)) {
+    return false;
+  }
+  for (int64_t i = 0; i < 3; ++i) {
+    if (e.dilation[i] > 1 && (a.weight.size(2 + i) > 1 || e.output_padding[i] >= e.stride[i])) return false;
+  }
+  return true;
 }
 
 // The fold-2d kernel: a 3-D call computed as the 2-D call it folds into (fold_of), served by
@@ -1121,14 +1146,14 @@ Result fold_2d_backward(const Args& a, const Expanded& e) {
   const OutputLayout layout = output_layout(a);
   const int64_t d_out = a.grad_output.size(2), s_d = e.stride[0];
   at::Tensor go, x, w;
-  std::vector<int64_t> stride, padding, dilation, output_padding;
+  std::vector<int64_t> stride, padding, output_padding;
+  const std::vector<int64_t> dilation{1, 1};  // fold_2d_applies: no dilation the 2-D call needs
   if (fold == Fold::PlaneIntoRow) {
     go = a.grad_output.flatten(3);
     x = a.input.flatten(3);
     w = a.weight.flatten(3);
     stride = {s_d, 1};
     padding = {e.padding[0], 0};
-    dilation = {e.dilation[0], 1};
     output_padding = {e.output_padding[0], 0};
   } else {
     // (N, C, D, H, W) -> (N * D, C, H, W)
@@ -1138,7 +1163,6 @@ Result fold_2d_backward(const Args& a, const Expanded& e) {
     w = a.weight.squeeze(2);
     stride = {e.stride[1], e.stride[2]};
     padding = {e.padding[1], e.padding[2]};
-    dilation = {e.dilation[1], e.dilation[2]};
     output_padding = {e.output_padding[1], e.output_padding[2]};
   }
   const Args f{go, x, w, a.bias_sizes, stride, padding, dilation, a.transposed, output_padding, a.groups,
@@ -2135,8 +2159,8 @@ std::optional<Result> run_named_kernel(const std::string& name, const Args& a) {
       throw py::value_error(
           "fold-2d cannot compute this call: it needs a 3-D CPU call that folds into a 2-D one (a 1x1 spatial kernel "
           "with no spatial padding, stride or output_padding; or kernel depth 1 with no depth padding or "
-          "output_padding, and depth stride 1 if transposed) and no dead tap, short padded dim, or depth without a "
-          "full row");
+          "output_padding, and depth stride 1 if transposed), no dilation on a dim of more than one tap, and no "
+          "dead tap, short padded dim, or depth without a full row");
     }
     if (!tunable(cls, a)) {
       throw py::value_error(c10::str("a call of class ", kLayerClasses[static_cast<int>(cls)].name, " is served by ",
