@@ -16,7 +16,8 @@ child, so a segfault does not end the sweep. Per call it records:
   (``args.dead_taps``), a transposed layer of input width 1 (``args.width_one_transposed``), a
   padded regular 3-D layer with a dim shorter than its kernel (``args.padded_3d``; these three make
   ``args.onednn_defect``, bfloat16 / float16 only), a 3-D bfloat16 layer asking for grad_weight on
-  a CPU with AMX-BF16 (``args.amx_3d_weight``), or a 3-D layer with no row meeting the whole kernel
+  a CPU with AMX-BF16 (``args.amx_3d_weight``), a dilated 2-D transposed depthwise bfloat16 layer with
+  a channels-last input (``args.transposed_depthwise_dilated``), or a 3-D layer with no row meeting the whole kernel
   in depth (``args.depth_without_full_row``, any dtype).
 
 Each defective call is then run on our backends (``--backends``; also in forked children): no
@@ -54,6 +55,7 @@ from aten_override.ops.convolution_backward.args import (
     dead_taps,
     depth_without_full_row,
     padded_3d,
+    transposed_depthwise_dilated,
     width_one_transposed,
 )
 
@@ -103,8 +105,8 @@ class Call:
 
     def condition(self) -> str:
         """Which condition our backends avoid native's oneDNN path on holds: ``dead-tap``,
-        ``width-one``, ``padded-3d`` (``args.onednn_defect``, reduced precision), ``amx-3d-weight``
-        (bfloat16), ``depth`` (any dtype) or ``none``."""
+        ``width-one``, ``padded-3d`` (``args.onednn_defect``, reduced precision), ``amx-3d-weight``,
+        ``depthwise-dilated`` (bfloat16), ``depth`` (any dtype) or ``none``."""
         if depth_without_full_row(transposed=self.transposed, input_size=self.size, kernel=self.kernel,
                                   grad_output_size=self.output_size(), stride=self.stride, padding=self.padding,
                                   dilation=self.dilation):
@@ -119,11 +121,13 @@ class Call:
             return "padded-3d"
         if amx_3d_weight(args):
             return "amx-3d-weight"
+        if transposed_depthwise_dilated(args):
+            return "depthwise-dilated"
         return "none"
 
     def covered(self, condition: str) -> bool:
         """Whether our backends avoid native's oneDNN path on this call (``condition()``)."""
-        if condition == "amx-3d-weight":
+        if condition in ("amx-3d-weight", "depthwise-dilated"):
             return self.dtype == "bfloat16"
         return condition == "depth" or (condition != "none" and self.dtype in ("bfloat16", "float16"))
 
@@ -139,6 +143,8 @@ class Call:
         if meta:
             shapes = ((self.batch, self.c_out, *self.output_size()), (self.batch, self.c_in, *self.size), w_shape)
             go, x, w = (torch.empty(shape, dtype=own, device="meta") for shape in shapes)
+            if "i" in self.channels_last and self.dims > 1:
+                x = x.contiguous(memory_format=torch.channels_last if self.dims == 2 else torch.channels_last_3d)
             return (go, x, w, [self.c_out], list(self.stride), list(self.padding), list(self.dilation),
                     self.transposed, list(self.output_padding), self.groups, list(self.output_mask))
         tensors = {

@@ -241,9 +241,10 @@ def onednn_defect(args: ConvolutionBackwardArgs) -> bool:
     """Whether torch 2.13's oneDNN convolutions are known wrong on ``args`` in bfloat16 / float16:
     :func:`has_dead_tap`, :func:`width_one_transposed`, :func:`padded_3d`, :func:`amx_3d_weight` or
     :func:`transposed_depthwise_dilated`. Mirrors ``onednn_defect`` in csrc/convolution_backward.cpp."""
-    return has_dead_tap(args) or padded_3d(args) or amx_3d_weight(args) or transposed_depthwise_dilated(
-        args) or width_one_transposed(
+    width_one = width_one_transposed(
         transposed=args.transposed, input_size=args.input.shape[2:], kernel=args.weight.shape[2:])
+    return (width_one or has_dead_tap(args) or padded_3d(args) or amx_3d_weight(args)
+            or transposed_depthwise_dilated(args))
 
 
 def expected_output_spatial(args: ConvolutionBackwardArgs) -> list[int]:
@@ -521,7 +522,8 @@ def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_siz
     corrupted heap has aborted a test process after one; on a CPU with AMX-BF16, 3-D bfloat16 layers
     get a wrong ``grad_weight`` (:func:`amx_3d_weight`), and so do dilated 2-D transposed depthwise
     bfloat16 layers with a channels-last input (:func:`transposed_depthwise_dilated`; any layout
-    here, where ``groups`` and ``c_in`` are given). A crash or garbage cannot be compared against, so the fuzzer draws these calls in
+    here, where ``groups`` and ``c_in`` are given). A crash or garbage cannot be compared against, so
+    the fuzzer draws these calls in
     float32, or float64 where float32 is affected too.
     """
     if device_type != "cpu" or dtype == torch.float64:
