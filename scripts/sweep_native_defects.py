@@ -16,8 +16,8 @@ child, so a segfault does not end the sweep. Per call it records:
   (``args.dead_taps``), a transposed layer of input width 1 (``args.width_one_transposed``), a
   padded regular 3-D layer with a dim shorter than its kernel (``args.padded_3d``; these three make
   ``args.onednn_defect``, bfloat16 / float16 only), a 3-D bfloat16 layer asking for grad_weight on
-  a CPU with AMX-BF16 (``args.amx_3d_weight``), a dilated 2-D transposed depthwise bfloat16 layer with
-  a channels-last input (``args.transposed_depthwise_dilated``), or a 3-D layer with no row meeting the whole kernel
+  a CPU with AMX-BF16 (``args.amx_3d_weight``), a dilated 2-D depthwise bfloat16 layer with
+  a channels-last input (``args.depthwise_dilated``), or a 3-D layer with no row meeting the whole kernel
   in depth (``args.depth_without_full_row``, any dtype).
 
 Each defective call is then run on our backends (``--backends``; also in forked children): no
@@ -55,7 +55,7 @@ from aten_override.ops.convolution_backward.args import (
     dead_taps,
     depth_without_full_row,
     padded_3d,
-    transposed_depthwise_dilated,
+    depthwise_dilated,
     width_one_transposed,
 )
 
@@ -121,7 +121,7 @@ class Call:
             return "padded-3d"
         if amx_3d_weight(args):
             return "amx-3d-weight"
-        if transposed_depthwise_dilated(args):
+        if depthwise_dilated(args):
             return "depthwise-dilated"
         return "none"
 

@@ -180,8 +180,8 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "corruption); bfloat16 3-D layers asking for grad_weight on a CPU with AMX-BF16 (grad_weight off by up "
      "to half its scale on larger planes: those that fold into a 2-D call, a 1x1 spatial kernel (R(2+1)D's "
      "3x1x1) or kernel depth 1 without depth padding (its 1xkxk), are computed as that 2-D call in bfloat16 "
-     "(fold-2d), where native's oneDNN path is right); and bfloat16 2-D transposed depthwise layers with a "
-     "dilation and a channels-last input (grad_weight NaN). Otherwise computed in float32 (correct "
+     "(fold-2d), where native's oneDNN path is right); and bfloat16 2-D depthwise layers, regular or "
+     "transposed, with a dilation and a channels-last input (grad_weight NaN or unwritten). Otherwise computed in float32 (correct "
      "there) by the compiled backend's own choice for the float32 call (native, or a kernel measured "
      "faster: gemm-kn2row on R(2+1)D's 3x1x1 layers) and rounded once, into native's layout; where the dead "
      "taps are the kernel's ends, the call without them, in its own dtype (kernel live-taps: R(2+1)D's 3x1x1 "
@@ -682,14 +682,15 @@ bool amx_3d_weight(const Args& a, const Expanded& e) {
   return e.dims == 3 && a.grad_output.scalar_type() == at::kBFloat16 && a.output_mask[1] && cpu_has_amx_bf16();
 }
 
-// Whether a bfloat16 2-D transposed depthwise call (groups == C_in > 1) with a dilation > 1 and a
-// channels-last input asks for grad_weight: 2.13's oneDNN grad_weight there was NaN or off by more
-// than its scale (e.g. input (2, 4, 3, 64) channels-last, weight (4, 1, 3, 1), dilation [2, 1],
-// stride 1; inputs at least 32 wide; found by a helper's fuzz through fold-2d, then on plain 2-D
-// calls on Sapphire Rapids). Right were: float16, a channel multiplier of 2, stride 2, a contiguous
-// input; the predicate keeps the wider set. Mirrors args.transposed_depthwise_dilated.
-bool transposed_depthwise_dilated(const Args& a, const Expanded& e) {
-  if (!a.transposed || e.dims != 2 || a.grad_output.scalar_type() != at::kBFloat16 || !a.output_mask[1]) return false;
+// Whether a bfloat16 2-D depthwise call (groups == C_in > 1), regular or transposed, with a dilation > 1
+// and a channels-last input asks for grad_weight: 2.13's oneDNN grad_weight there was NaN, unwritten
+// (a dilated tap left as the heap's values) or off by more than its scale (e.g. transposed input
+// (2, 4, 3, 64) channels-last, weight (4, 1, 3, 1), dilation [2, 1]; regular input (1, 2, 3, 40)
+// channels-last, weight (2, 1, 2, 1), dilation [2, 1]; inputs at least 30 wide; found by helpers'
+// fuzzes on Sapphire Rapids). Right were: float16, a channel multiplier of 2, stride 2, a contiguous
+// input, dilation in width only; the predicate keeps the wider set. Mirrors args.depthwise_dilated.
+bool depthwise_dilated(const Args& a, const Expanded& e) {
+  if (e.dims != 2 || a.grad_output.scalar_type() != at::kBFloat16 || !a.output_mask[1]) return false;
   if (a.groups <= 1 || a.groups != e.c_in) return false;
   if (a.input.suggest_memory_format() != at::MemoryFormat::ChannelsLast) return false;
   return e.dilation[0] > 1 || e.dilation[1] > 1;
@@ -699,7 +700,7 @@ bool transposed_depthwise_dilated(const Args& a, const Expanded& e) {
 // args.onednn_defect.
 bool onednn_defect(const Args& a, const Expanded& e) {
   return has_dead_tap(a, e) || padded_3d(a, e) || width_one_transposed(a) || amx_3d_weight(a, e) ||
-      transposed_depthwise_dilated(a, e);
+      depthwise_dilated(a, e);
 }
 
 // Whether native would serve the call on a oneDNN path known to be wrong there, or to crash: a CPU
@@ -1121,8 +1122,8 @@ Fold fold_of(const Args& a, const Expanded& e) {
 // safe), and its 2-D call needs no dilation: a dim of one tap takes dilation 1 (the same convolution),
 // where its output_padding allows (transposed: below the stride); a dim of more taps must have
 // dilation 1. Native's 2-D bfloat16 path corrupted the heap on folded calls keeping a dilation on a
-// one-tap dim, and gave NaN on a transposed depthwise one dilated in its tapped dim, both with a
-// channels-last input (found by a helper's fuzz; native's 3-D path was right on the same calls).
+// one-tap dim, and gave NaN on a transposed depthwise one dilated in its tapped dim (depthwise_dilated
+// since), both with a channels-last input (found by a helper's fuzz; native's 3-D path was right).
 bool fold_2d_applies(const Args& a, const Expanded& e) {
   if (!a.grad_output.is_cpu() || fold_of(a, e) == Fold::None || has_dead_tap(a, e) || padded_3d(a, e) ||
       width_one_transposed(a) || depth_without_full_row(a, e)) {

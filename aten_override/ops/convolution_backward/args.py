@@ -42,7 +42,7 @@ __all__ = [
     "onednn_defect",
     "padded_3d",
     "amx_3d_weight",
-    "transposed_depthwise_dilated",
+    "depthwise_dilated",
     "cpu_has_amx_bf16",
     "depth_without_full_row",
     "native_defect_reason",
@@ -219,19 +219,20 @@ def amx_3d_weight(args: ConvolutionBackwardArgs) -> bool:
             and cpu_has_amx_bf16())
 
 
-def transposed_depthwise_dilated(args: ConvolutionBackwardArgs) -> bool:
-    """Whether a bfloat16 2-D transposed depthwise call (``groups == C_in > 1``) with a dilation > 1
-    and a channels-last ``input`` asks for ``grad_weight``.
+def depthwise_dilated(args: ConvolutionBackwardArgs) -> bool:
+    """Whether a bfloat16 2-D depthwise call (``groups == C_in > 1``), regular or transposed, with a
+    dilation > 1 and a channels-last ``input`` asks for ``grad_weight``.
 
-    torch 2.13's oneDNN ``grad_weight`` there was NaN or off by more than its scale: e.g. ``input
-    (2, 4, 3, 64)`` channels-last, ``weight (4, 1, 3, 1)``, dilation ``[2, 1]``, stride 1 (inputs at
-    least 32 wide; found by a helper's fuzz through fold-2d, then on plain 2-D calls, Sapphire
-    Rapids). float16, a channel multiplier of 2, stride 2 and a contiguous input were right; the
-    predicate keeps the wider set. Mirrors ``transposed_depthwise_dilated`` in
+    torch 2.13's oneDNN ``grad_weight`` there was NaN, unwritten (a dilated tap left as the heap's
+    values) or off by more than its scale: e.g. transposed ``input (2, 4, 3, 64)`` channels-last,
+    ``weight (4, 1, 3, 1)``, dilation ``[2, 1]``; regular ``input (1, 2, 3, 40)`` channels-last,
+    ``weight (2, 1, 2, 1)``, dilation ``[2, 1]`` (inputs at least 30 wide; found by helpers' fuzzes,
+    Sapphire Rapids). float16, a channel multiplier of 2, stride 2, a contiguous input and dilation in
+    width only were right; the predicate keeps the wider set. Mirrors ``depthwise_dilated`` in
     csrc/convolution_backward.cpp.
     """
     a = args.expanded()
-    return (a.transposed and a.weight.dim() == 4 and a.grad_output.dtype == torch.bfloat16 and bool(a.output_mask[1])
+    return (a.weight.dim() == 4 and a.grad_output.dtype == torch.bfloat16 and bool(a.output_mask[1])
             and 1 < a.groups == a.input.shape[1]
             and suggest_memory_format(a.input) == torch.channels_last
             and any(d > 1 for d in a.dilation))
@@ -240,11 +241,11 @@ def transposed_depthwise_dilated(args: ConvolutionBackwardArgs) -> bool:
 def onednn_defect(args: ConvolutionBackwardArgs) -> bool:
     """Whether torch 2.13's oneDNN convolutions are known wrong on ``args`` in bfloat16 / float16:
     :func:`has_dead_tap`, :func:`width_one_transposed`, :func:`padded_3d`, :func:`amx_3d_weight` or
-    :func:`transposed_depthwise_dilated`. Mirrors ``onednn_defect`` in csrc/convolution_backward.cpp."""
+    :func:`depthwise_dilated`. Mirrors ``onednn_defect`` in csrc/convolution_backward.cpp."""
     width_one = width_one_transposed(
         transposed=args.transposed, input_size=args.input.shape[2:], kernel=args.weight.shape[2:])
     return (width_one or has_dead_tap(args) or padded_3d(args) or amx_3d_weight(args)
-            or transposed_depthwise_dilated(args))
+            or depthwise_dilated(args))
 
 
 def expected_output_spatial(args: ConvolutionBackwardArgs) -> list[int]:
@@ -520,8 +521,8 @@ def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_siz
     (:func:`depth_without_full_row`) get wrong gradients, a hang or a corrupted heap in every dtype
     but float64; regular padded 3-D bfloat16 layers with a dim shorter than the kernel (``args.padded_3d``) get unwritten outputs, and a
     corrupted heap has aborted a test process after one; on a CPU with AMX-BF16, 3-D bfloat16 layers
-    get a wrong ``grad_weight`` (:func:`amx_3d_weight`), and so do dilated 2-D transposed depthwise
-    bfloat16 layers with a channels-last input (:func:`transposed_depthwise_dilated`; any layout
+    get a wrong ``grad_weight`` (:func:`amx_3d_weight`), and so do dilated 2-D depthwise
+    bfloat16 layers with a channels-last input (:func:`depthwise_dilated`; any layout
     here, where ``groups`` and ``c_in`` are given). A crash or garbage cannot be compared against, so
     the fuzzer draws these calls in
     float32, or float64 where float32 is affected too.
@@ -544,11 +545,10 @@ def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_siz
     if dtype == torch.bfloat16 and not transposed and len(kernel) == 3 and any(int(p) > 0 for p in padding):
         return ("the original CPU kernel leaves parts of grad_weight / grad_input unwritten and can corrupt the heap "
                 "on padded 3-D bfloat16 layers (oneDNN, torch 2.13; args.padded_3d)")
-    if (dtype == torch.bfloat16 and transposed and len(kernel) == 2 and 1 < groups == c_in
-            and any(int(d) > 1 for d in dilation)):
-        return ("the original CPU kernel's grad_weight is NaN or off by more than its scale on dilated 2-D transposed "
-                "depthwise bfloat16 layers with a channels-last input (oneDNN, torch 2.13; "
-                "args.transposed_depthwise_dilated; counted here whatever the layout)")
+    if dtype == torch.bfloat16 and len(kernel) == 2 and 1 < groups == c_in and any(int(d) > 1 for d in dilation):
+        return ("the original CPU kernel's grad_weight is NaN or unwritten on dilated 2-D depthwise bfloat16 "
+                "layers with a channels-last input (oneDNN, torch 2.13; "
+                "args.depthwise_dilated; counted here whatever the layout)")
     if dtype == torch.bfloat16 and len(kernel) == 3 and cpu_has_amx_bf16():
         return ("the original CPU kernel's grad_weight is off by up to half its scale on 3-D bfloat16 layers "
                 "on a CPU with AMX-BF16 (oneDNN, torch 2.13; args.amx_3d_weight)")
