@@ -1045,20 +1045,23 @@ Kernel defect_stand_in(const Args& a, const Expanded& e);
 // Whether the live-taps kernel serves a dead-taps call: its dead taps can be cut off (live_taps), and
 // the call without them is computed in its own dtype: native is not known wrong on it, or it folds
 // into a 2-D call native is right on (fold-2d; on AMX, R(2+1)D's temporal layers at one frame).
-bool live_taps_serve(const Args& a, const Expanded& e) {
-  const auto live = live_taps(a, e);
-  if (!live) return false;
-  const Args f = live->call(a, live->weight);
+bool live_taps_serve(const Args& a, const LiveTaps& live) {
+  const Args f = live.call(a, live.weight);
   const Expanded fe = check_args(f);
   return classify(f, fe) != LayerClass::DeadTaps || defect_stand_in(f, fe) == Kernel::Fold2d;
+}
+
+bool live_taps_serve(const Args& a, const Expanded& e) {
+  const auto live = live_taps(a, e);
+  return live && live_taps_serve(a, *live);
 }
 
 // The live-taps kernel: the call without its dead taps, in its own dtype, served by this backend's
 // choice for it; grad_weight zero on the dead taps; native's layouts. nullopt where live_taps_serve
 // does not hold.
 std::optional<Result> live_taps_backward(const Args& a, const Expanded& e) {
-  if (!live_taps_serve(a, e)) return std::nullopt;
   const auto live = live_taps(a, e);
+  if (!live || !live_taps_serve(a, *live)) return std::nullopt;
   const at::Tensor w = live->weight.contiguous(a.weight.suggest_memory_format());
   const OutputLayout layout = output_layout(a);
   auto [gi_live, gw_live, gb_live] = serve_derived_call(live->call(a, w));

@@ -133,11 +133,11 @@ def test_bfloat16_grad_weight_of_dead_taps_is_zero_and_repeatable(name, backend)
         assert taps.numel() > 0 and taps.eq(0).all()
 
 
-def _check_repeatable_and_right(args, backend, native_layout=True):
+def _check_repeatable_and_right(args, backend, native_layout=True, layer_class="dead-taps"):
     """Three runs of ``backend`` on ``args`` (allocator scribbled before each): native's dtypes,
     shapes and strides (``native_layout=False``: those of the float64 reference, for calls where
-    native corrupts the heap), close to float64, equal bit for bit, and served in the dead-taps
-    class where native picks oneDNN. Returns the three results."""
+    native corrupts the heap), close to float64, equal bit for bit, and served in ``layer_class``
+    where native picks oneDNN. Returns the three results."""
     expected = reference(args)
     native = aten_override.original_kernel("cpu")(*args) if native_layout else expected
     results = []
@@ -148,7 +148,7 @@ def _check_repeatable_and_right(args, backend, native_layout=True):
             results.append(torch.ops.aten.convolution_backward.default(*args))
     assert aten_override.stats()[backend] == 3
     if backend == "compiled" and native_picks_onednn(args):  # elsewhere native is right and serves them
-        assert aten_override.stats()["compiled_layer_classes"] == {"dead-taps": 3}
+        assert aten_override.stats()["compiled_layer_classes"] == {layer_class: 3}
     for ours in results:
         for i, (a, n, e) in enumerate(zip(ours, native, expected)):
             assert a.dtype == args[0].dtype and a.shape == n.shape and a.stride() == n.stride(), i
@@ -430,22 +430,10 @@ def test_bfloat16_depthwise_dilated_grad_weight_is_right(name, backend):
     expected = reference(args)[1]
     scale = expected.abs().max().item()
     transposed = args[7]
-    if transposed:
-        results = _check_repeatable_and_right(args, backend)
-    else:
-        native_layout = aten_override.original_kernel("cpu")(*args)
-        results = []
-        for _ in range(2):
-            scribble_allocator(torch.bfloat16)
-            with aten_override.enable(backend):
-                results.append(torch.ops.aten.convolution_backward.default(*args))
-        for ours in results:
-            for o, n in zip(ours, native_layout):
-                assert (o.dtype, o.shape, o.stride()) == (n.dtype, n.shape, n.stride())
-            assert torch.equal(ours[1], results[0][1])
-        if backend == "compiled":
-            with pytest.raises(ValueError, match="native cannot compute this call"):
-                compiled.extension().run_kernel("native", *args)
+    results = _check_repeatable_and_right(args, backend, layer_class="dead-taps" if transposed else "depthwise")
+    if backend == "compiled" and not transposed:
+        with pytest.raises(ValueError, match="native cannot compute this call"):
+            compiled.extension().run_kernel("native", *args)
     for ours in results:
         assert (ours[1].double() - expected).abs().max().item() <= 2 ** -6 * scale, name
     native = aten_override.original_kernel("cpu")(*args)[1]
