@@ -462,7 +462,8 @@ def stats() -> dict[str, object]:
     autotuner chose it), and ``"compiled_tuning": {"signatures": n, "us": t, "evicted_bytes": b}``
     what tuning cost (microseconds) and the bytes it evicted from the caches around its timed runs
     (CPUs with ``clflushopt``; 0 elsewhere, or where the call's tensors exceed the caches), when any
-    signature was tuned."""
+    signature was tuned; ``"compiled_rescaled": n`` the calls it computed on operands x 2^k because
+    their gradients underflow (``_C.subnormal_cost()``), when any."""
     with _state.counts_lock:
         counts = Counter(_state.counts)
         reasons = Counter(_state.fallback_reasons)
@@ -477,6 +478,7 @@ def stats() -> dict[str, object]:
         layer_classes = cpp["layer_classes"]
         kernels = cpp["kernels"]
         tuning = {"signatures": cpp["tunings"], "us": cpp["tune_us"], "evicted_bytes": cpp["evicted_bytes"]}
+        rescaled = cpp["rescaled"]
     out: dict[str, object] = {k: n for k, n in counts.items() if n}
     out["fallback_reasons"] = dict(reasons)
     if layer_classes:
@@ -485,6 +487,8 @@ def stats() -> dict[str, object]:
         out["compiled_kernels"] = dict(kernels)
     if ext is not None and tuning["signatures"]:
         out["compiled_tuning"] = tuning
+    if ext is not None and rescaled:
+        out["compiled_rescaled"] = rescaled
     return out
 
 

@@ -192,6 +192,9 @@ class CallRecord:
     error: str | None = None
     kernel: str | None = None  # the compiled backend's kernel: "compiled/depthwise-lanes", "compiled/native"
     tuning: dict | None = None  # on the call that tuned its signature: {"times_us": {...}, "rejected": {...}}
+    # k > 0: the compiled backend computed the call on grad_output (or input and weight) x 2^k, its results
+    # x 2^-k (gradients in the subnormal range: ``_C.subnormal_cost()``)
+    rescale_exponent: int = 0
     inner_calls: int = 0  # calls the backend made to aten::convolution_backward itself (original kernel)
 
     @property
@@ -675,8 +678,9 @@ class trace(contextlib.ContextDecorator):
             events[1].record()
         served, fallback = decision.backend, decision.reason is not None
         kernel = tuning = None
+        rescale_exponent = 0
         if served == "compiled":
-            kernel, tuning = _compiled_kernel()
+            kernel, tuning, rescale_exponent = _compiled_kernel()
         verification = None
         if self.verify:
             verification = self._verify(keyset, aten_args, ConvolutionBackwardArgs(*aten_args), result, decision)
@@ -702,7 +706,7 @@ class trace(contextlib.ContextDecorator):
             record.native_backend = group.native
             record.outputs = [self._describe(t) for t in result]
             record.backend, record.fallback_reason = served, decision.reason
-            record.kernel, record.tuning = kernel, tuning
+            record.kernel, record.tuning, record.rescale_exponent = kernel, tuning, rescale_exponent
             record.verify = verification
             record.inner_calls = _registration.inner_calls()
             if failed:
@@ -990,17 +994,18 @@ class _LiveAggregates:
         )
 
 
-def _compiled_kernel() -> tuple[str | None, dict | None]:
-    """The kernel the compiled backend's last call in this thread ran and, if that call tuned its
-    signature, every candidate's fastest run (microseconds; ``grad_input:<kernel>`` / ``grad_weight:<kernel>`` for each gradient alone) and why the others could not win."""
+def _compiled_kernel() -> tuple[str | None, dict | None, int]:
+    """The kernel the compiled backend's last call in this thread ran; if that call tuned its
+    signature, every candidate's fastest run (microseconds; ``grad_input:<kernel>`` / ``grad_weight:<kernel>`` for each gradient alone) and why the others could not win; and the k of
+    the 2^k its operands were rescaled by (0: not rescaled)."""
     from .ops.convolution_backward import compiled
 
     ext = compiled.extension()
     if ext is None:
-        return None, None
+        return None, None, 0
     last = ext.last_call()
     tuning = {"times_us": dict(last["times_us"]), "rejected": dict(last["rejected"])} if last["tuned"] else None
-    return f"compiled/{last['kernel']}", tuning
+    return f"compiled/{last['kernel']}", tuning, last["rescale_exponent"]
 
 
 # --- every aten op of the backward pass --------------------------------------------------------
@@ -1059,6 +1064,8 @@ def format_call(c: CallRecord, *, times: bool = True) -> list[str]:
     if c.fallback_reason is not None:
         served += f" (fallback from {c.requested}: {c.fallback_reason})"
     header = [f"call {c.id}", c.module or "<no module>", f"backend={served}"]
+    if c.rescale_exponent:
+        header.append(f"rescaled=2^{c.rescale_exponent}")
     if c.native_backend is not None:
         header.append(f"upstream={c.native_backend}")
     if c.thread != "MainThread":

@@ -34,6 +34,7 @@
 #include <shared_mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -267,6 +268,7 @@ struct Counters {
   std::atomic<int64_t> split[static_cast<int>(Kernel::Count)][static_cast<int>(Kernel::Count)] = {};
   std::atomic<int64_t> served{0};    // calls the registered C++ kernel served in the compiled backend
   std::atomic<int64_t> fallback{0};  // calls it handed to the original kernel
+  std::atomic<int64_t> rescaled{0};  // served calls computed on grad_output x 2^k (serve_rescaled)
   std::mutex reasons_mutex;
   std::map<std::string, int64_t> fallback_reasons;
 };
@@ -1577,6 +1579,7 @@ Autotuner& autotuner() {
 struct LastCall {
   std::string kernel;
   bool tuned = false;  // this call tuned its signature
+  int rescale_exponent = 0;  // k > 0: computed on grad_output x 2^k (serve_rescaled)
   std::vector<std::pair<std::string, double>> times_us;
   std::vector<std::pair<std::string, std::string>> rejected;
 };
@@ -2033,6 +2036,207 @@ Result serve_derived_call(const Args& f) {
   return choose_and_run(f, e, cls).second;
 }
 
+// --- gradients at the bottom of the dtype's range --------------------------------------------------
+//
+// Arithmetic whose operand or result is subnormal takes a microcode assist on Intel CPUs, ~100x the
+// instruction's time, in every library's kernels and ours (unless the thread flushes them: FTZ / DAZ,
+// torch.set_flush_denormal(True)). A random-init EfficientNet-B0's gradients shrink layer by layer
+// towards its stem (largest magnitudes 2^-11 at its head, 2^-106 at its stem, float32): their products
+// with weights and activations are subnormal, and native's float32 1x1 layers ran at 1.4 GFLOP/s
+// (144 -> 24 channels at 56x56, batch 8, one thread: 244 ms; 5.9 ms with grad_output x 2^87), the whole
+// convolution backward of a step 1706 ms against 371 ms on power-of-two rescaled grad_outputs.
+// A convolution backward is linear in grad_output and, for each gradient, in the other operand:
+// grad_input from grad_output and weight x 2^k, grad_weight from grad_output and input x 2^k (or both
+// from grad_output x 2^k, where that tensor is the smaller copy) are 2^k times the call's, exactly where
+// nothing underflows, and their products stay out of the subnormal range; the results x 2^-k round once
+// where they are subnormal, where natively every underflowing product and partial sum rounds: the same
+// values where nothing underflows, closer to the exact ones where something does (grad_bias, a sum of
+// grad_output, has no products: scaled with grad_output or not at all). Serving rescales where the
+// thread does not flush, the machine pays for subnormals (measured once per process, subnormal_cost()),
+// and a sample of grad_output's values lies below kRescaleBelow (float32: 2^-32; the EfficientNet-B0
+// layers whose largest magnitude was 2^-36 and below gained, those at 2^-29 and above did not); k takes
+// the sample's largest magnitude into [0.5, 1). It costs one pass over the copied operand and one over
+// the results; a copy or a result that is not finite (a value the sample missed) serves the call as it is.
+// The kernel that serves the rescaled call is the signature's own (tuned on rescaled values, the ones
+// kernels are fast on).
+
+// The largest sampled grad_output magnitudes below which serving rescales (float32, float64).
+constexpr double kRescaleBelowFloat = 0x1p-32;
+constexpr double kRescaleBelowDouble = 0x1p-256;
+// How many grad_output values the per-call check reads, spread over the tensor (for a large one, one
+// cache line every few pages).
+constexpr int64_t kRescaleSamples = 1024;
+
+// Whether this thread flushes subnormal operands and results to zero (x86 MXCSR DAZ and FTZ, as
+// torch.set_flush_denormal(True) sets them).
+bool flushes_subnormals() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  constexpr unsigned kFlushToZero = 0x8000, kDenormalsAreZero = 0x0040;
+  return (_mm_getcsr() & (kFlushToZero | kDenormalsAreZero)) == (kFlushToZero | kDenormalsAreZero);
+#else
+  return false;
+#endif
+}
+
+struct SubnormalCost {
+  double normal_us = 0, subnormal_us = 0;  // fastest runs, microseconds
+  bool rescale = false;                    // serving rescales (subject to the call's values)
+  bool forced = false;                     // set_subnormal_rescale forced `rescale`
+};
+
+// -1: measured; 0: never rescale; 1: rescale whatever the machine (set_subnormal_rescale).
+std::atomic<int> forced_rescale{-1};
+
+// What a float32 GEMM costs on this machine when its products are subnormal: at::mm of 128 x 128
+// matrices of 2^-70 (every product 2^-140) against matrices of 0.5, fastest of five runs each,
+// interleaved, on one thread (task 0 of a parallel region), measured once per process where a call
+// first needs it. A machine at under twice the normal time does not rescale.
+SubnormalCost subnormal_cost() {
+  static const SubnormalCost measured = [] {
+    SubnormalCost out;
+    at::parallel_for(0, std::max(1, at::get_num_threads()), 1, [&](int64_t begin, int64_t) {
+      if (begin != 0) return;
+      // constant operands: a user's seeded random stream must not depend on whether this ran
+      const at::Tensor normal = at::full({128, 128}, 0.5f), tiny = at::full({128, 128}, 0x1p-70f);
+      at::Tensor c = at::empty({128, 128});
+      double best[2] = {INFINITY, INFINITY};
+      for (int run = 0; run < 6; ++run) {
+        for (int i = 0; i < 2; ++i) {
+          const at::Tensor& m = i ? tiny : normal;
+          const auto start = std::chrono::steady_clock::now();
+          at::mm_out(c, m, m);
+          if (run > 0) best[i] = std::min(best[i], elapsed_us(start));  // run 0 warms both up
+        }
+      }
+      out.normal_us = best[0];
+      out.subnormal_us = best[1];
+    });
+    out.rescale = out.subnormal_us > 2 * out.normal_us;
+    return out;
+  }();
+  SubnormalCost out = measured;
+  const int forced = forced_rescale.load(std::memory_order_relaxed);
+  if (forced >= 0) {
+    out.rescale = forced == 1;
+    out.forced = true;
+  }
+  return out;
+}
+
+// The largest magnitude among kRescaleSamples of a dense tensor's values (its numel() elements from
+// data_ptr(), in some order); NaN if one is NaN.
+template <typename T>
+double sampled_max_magnitude(const at::Tensor& t) {
+  const T* data = t.const_data_ptr<T>();
+  const int64_t n = t.numel(), step = std::max<int64_t>(1, n / kRescaleSamples);
+  double max = 0;
+  for (int64_t i = 0; i < n; i += step) {
+    const double v = std::abs(static_cast<double>(data[i]));
+    max = v > max || std::isnan(v) ? v : max;
+  }
+  return max;
+}
+
+// The k > 0 for which serving computes the call on operands x 2^k (above); 0 where it does not.
+int rescale_exponent(const Args& a, LayerClass cls) {
+  const at::Tensor& go = a.grad_output;
+  const auto dtype = go.scalar_type();
+  if ((dtype != at::kFloat && dtype != at::kDouble) || cls == LayerClass::Empty || cls == LayerClass::BiasOnly ||
+      go.numel() == 0 ||
+      !go.is_non_overlapping_and_dense() || forced_rescale.load(std::memory_order_relaxed) == 0 ||
+      flushes_subnormals()) {
+    return 0;
+  }
+  const double max = dtype == at::kFloat ? sampled_max_magnitude<float>(go) : sampled_max_magnitude<double>(go);
+  if (!(max > 0 && max < (dtype == at::kFloat ? kRescaleBelowFloat : kRescaleBelowDouble))) return 0;
+  if (!subnormal_cost().rescale) return 0;
+  int exponent = 0;
+  std::frexp(max, &exponent);
+  // float64's 2^k ends at 2^1023: a float64 grad_output this far down is left as it is
+  return exponent > -1000 ? -exponent : 0;
+}
+
+// out = in x 2^k over n values; false if a result is not finite. In float64 where 2^k is not a normal
+// float32 (a float32 grad_output whose values are all subnormal): rounded once either way.
+template <typename T>
+bool scale_values(const T* in, T* out, int64_t n, int k) {
+  using Bits = std::conditional_t<std::is_same_v<T, float>, uint32_t, uint64_t>;
+  constexpr Bits exponent_bits = std::is_same_v<T, float> ? Bits(0x7f800000u) : Bits(0x7ff0000000000000ull);
+  const bool in_range = std::is_same_v<T, double> || std::abs(k) < 126;
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+    Bits non_finite = 0;
+    if (in_range) {
+      const T factor = static_cast<T>(std::ldexp(1.0, k));
+      for (int64_t i = begin; i < end; ++i) {
+        const T v = in[i] * factor;
+        Bits bits;
+        std::memcpy(&bits, &v, sizeof(T));
+        non_finite |= (bits & exponent_bits) == exponent_bits;
+        out[i] = v;
+      }
+    } else {
+      const double factor = std::ldexp(1.0, k);
+      for (int64_t i = begin; i < end; ++i) {
+        const T v = static_cast<T>(static_cast<double>(in[i]) * factor);
+        non_finite |= !std::isfinite(v);
+        out[i] = v;
+      }
+    }
+    if (non_finite) finite.store(false, std::memory_order_relaxed);
+  });
+  return finite.load();
+}
+
+// t x 2^k with t's sizes and strides (exact for k > 0 where finite), or undefined where a value is not
+// finite.
+at::Tensor scaled_copy(const at::Tensor& t, int k) {
+  at::Tensor out = at::empty_strided(t.sizes(), t.strides(), t.options());
+  const bool finite = AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "scaled_copy", [&] {
+    return scale_values(t.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), t.numel(), k);
+  });
+  return finite ? out : at::Tensor();
+}
+
+// t x 2^k in place (t dense); false if a result is not finite.
+bool scale_in_place(at::Tensor& t, int k) {
+  return AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "scale_in_place", [&] {
+    return scale_values(t.const_data_ptr<scalar_t>(), t.mutable_data_ptr<scalar_t>(), t.numel(), k);
+  });
+}
+
+// The compiled backend's result for a call computed on operands x 2^k (above), each result x 2^-k, or
+// nullopt where that is not finite. grad_output is copied where that is the smaller copy, or where the
+// copies of input and weight are not finite (2^k x their largest magnitude beyond the dtype's range);
+// grad_output x 2^k is finite unless a value is not (the sample missed it), and then so are the results.
+std::optional<Result> serve_rescaled(const Args& a, const Expanded& e, LayerClass cls, int k, Choice& choice) {
+  const bool want_gi = a.output_mask[0], want_gw = a.output_mask[1];
+  const auto copy = [&](const at::Tensor& t, bool scale) {
+    return !scale ? t : t.is_non_overlapping_and_dense() ? scaled_copy(t, k) : scaled_copy(t.contiguous(), k);
+  };
+  bool scale_go = want_gw && a.grad_output.numel() <= a.input.numel();
+  at::Tensor go = copy(a.grad_output, scale_go), x = copy(a.input, want_gw && !scale_go),
+             w = copy(a.weight, want_gi && !scale_go);
+  if (!scale_go && (!x.defined() || !w.defined())) {
+    scale_go = true;
+    go = copy(a.grad_output, true), x = a.input, w = a.weight;
+  }
+  if (!go.defined()) return std::nullopt;
+  const Args s{go, x, w, a.bias_sizes, a.stride, a.padding, a.dilation, a.transposed, a.output_padding, a.groups,
+               a.output_mask};
+  auto [served, result] = choose_and_run(s, e, cls);
+  choice = served;
+  std::array<at::Tensor*, 3> parts{&std::get<0>(result), &std::get<1>(result), &std::get<2>(result)};
+  for (int i = 0; i < 3; ++i) {
+    at::Tensor& t = *parts[i];
+    // grad_bias sums grad_output alone: scaled only with it
+    if (!t.defined() || t.numel() == 0 || (i == 2 && !scale_go)) continue;
+    if (!t.is_non_overlapping_and_dense()) t = t.contiguous();  // (kernels return dense results)
+    if (!scale_in_place(t, -k)) return std::nullopt;
+  }
+  return result;
+}
+
 // The compiled backend's result for a call it serves (unsupported_reason() was nullopt).
 Result compiled_backward(const Args& a) {
   const Expanded e = check_args(a);
@@ -2041,8 +2245,19 @@ Result compiled_backward(const Args& a) {
   last_call.tuned = false;
   last_call.times_us.clear();
   last_call.rejected.clear();
-  auto [choice, result] = choose_and_run(a, e, cls);
   auto& c = counters();
+  Choice choice;
+  Result result;
+  last_call.rescale_exponent = rescale_exponent(a, cls);
+  std::optional<Result> rescaled;
+  if (last_call.rescale_exponent) rescaled = serve_rescaled(a, e, cls, last_call.rescale_exponent, choice);
+  if (rescaled) {
+    result = std::move(*rescaled);
+    c.rescaled.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    last_call.rescale_exponent = 0;
+    std::tie(choice, result) = choose_and_run(a, e, cls);
+  }
   (choice.split() ? c.split[static_cast<int>(choice.gi)][static_cast<int>(choice.gw)]
                   : c.kernel[static_cast<int>(choice.gi)])
       .fetch_add(1, std::memory_order_relaxed);
@@ -2201,6 +2416,7 @@ py::dict py_stats() {
   }
   out["served"] = c.served.load();
   out["fallback"] = c.fallback.load();
+  out["rescaled"] = c.rescaled.load();
   out["fallback_reasons"] = reasons;
   out["layer_classes"] = classes;
   py::dict kernels;
@@ -2231,6 +2447,7 @@ void py_reset_stats() {
   autotuner().evicted_bytes.store(0);
   c.served.store(0);
   c.fallback.store(0);
+  c.rescaled.store(0);
   std::lock_guard<std::mutex> lock(c.reasons_mutex);
   c.fallback_reasons.clear();
 }
@@ -2308,6 +2525,7 @@ py::dict py_last_call() {
   py::dict out;
   out["kernel"] = last_call.kernel;
   out["tuned"] = last_call.tuned;
+  out["rescale_exponent"] = last_call.rescale_exponent;
   out["times_us"] = to_dict(last_call.times_us);
   out["rejected"] = to_dict(last_call.rejected);
   return out;
@@ -2476,5 +2694,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Add [(signature, kernel)] entries to the results table; returns how many were taken.");
   m.def("autotune_clear", &py_autotune_clear, "Forget every tuned signature.");
   m.def("last_call", &py_last_call,
-        "What the last compiled call of this thread ran: {'kernel', 'tuned', 'times_us', 'rejected'}.");
+        "What the last compiled call of this thread ran: {'kernel', 'tuned', 'times_us', 'rejected', "
+        "'rescale_exponent'} (k > 0: computed on grad_output x 2^k, its results x 2^-k).");
+  m.def(
+      "subnormal_cost",
+      []() {
+        const SubnormalCost c = subnormal_cost();
+        py::dict out;
+        out["normal_us"] = c.normal_us;
+        out["subnormal_us"] = c.subnormal_us;
+        out["rescale"] = c.rescale;
+        out["forced"] = c.forced;
+        return out;
+      },
+      "subnormal_cost() -> {'normal_us', 'subnormal_us', 'rescale', 'forced'}: a float32 128 x 128 at::mm's fastest "
+      "run (microseconds, one thread, measured once per process) on operands whose products are subnormal and on "
+      "normal ones, and whether serving rescales float32 / float64 calls whose grad_output lies below 2^-32 / "
+      "2^-256 (computed on grad_output x 2^k, or on input and weight x 2^k, k putting grad_output's largest "
+      "magnitude in [0.5, 1), the results x 2^-k: exact where nothing underflows, one rounding where natively "
+      "every underflowing product rounds): where "
+      "the subnormal run took over twice the normal one, or as set_subnormal_rescale forced it. Threads that "
+      "flush subnormals (torch.set_flush_denormal(True)) never rescale");
+  m.def(
+      "set_subnormal_rescale",
+      [](std::optional<bool> on) { forced_rescale.store(on ? (*on ? 1 : 0) : -1); },
+      py::arg("on"),
+      "set_subnormal_rescale(on): force serving to rescale underflowing calls (True: tests run it on any machine) "
+      "or never to (False), or None for the measured choice (subnormal_cost())");
 }
