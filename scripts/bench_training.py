@@ -339,6 +339,7 @@ class Layer:
     flops: float = 0.0  # grad_input + grad_weight multiply-adds x 2, summed over the calls
     bytes: float = 0.0  # one pass over each tensor read or written, summed over the calls
     dtype: torch.dtype = torch.float32  # grad_output's (the roofline's peak is this dtype's)
+    rescaled: int = 0  # calls the compiled backend computed on operands x 2^k (gradients below 2^-32)
 
 
 def traced_steps(w: Workload, opt, name: str, steps: int) -> tuple[float, dict[str, Layer]]:
@@ -362,6 +363,7 @@ def traced_steps(w: Workload, opt, name: str, steps: int) -> tuple[float, dict[s
             layer.flops += flops
             layer.bytes += nbytes
             layer.dtype = getattr(torch, call.args["grad_output"].dtype)
+            layer.rescaled += call.rescale_exponent > 0
         keep_fastest(layers, this_step)
     return min(walls), layers
 
@@ -548,13 +550,22 @@ def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, r
             f"{o.us / 1e3:11.2f} {o.served[:27]:27s} {r:5.2f} {o.flops / seconds / 1e9 if seconds else 0:7.1f} "
             f"{100 * roof / seconds if seconds else 0:5.0f}"
         )
+    rescaled = [m for m, o in ours.items() if o.rescaled]
+    if rescaled:
+        print(
+            f"computed on operands x 2^k (gradients below 2^-32: no subnormal products): {len(rescaled)} of "
+            f"{len(ours)} layers ({sum(m in rescaled for m in sorted(native, key=worst, reverse=True)[:TOP_LAYERS])} "
+            f"of the top {TOP_LAYERS})"
+        )
     stays = {m: native[m] for m, o in ours.items() if o.served.endswith("/native") and m in native}
     if stays:
         stay_native = sum(layer.us for layer in stays.values())
         stay_ours = sum(ours[m].us for m in stays)
+        on_rescaled = sum(m in rescaled for m in stays)
         print(
             f"native stays the winner (measured) on {len(stays)} of {len(ours)} layers: {stay_native / 1e3:.1f} ms "
             f"natively, {stay_ours / 1e3:.1f} ms through our backend (ratio {stay_ours / stay_native:.2f})"
+            + (f"; on {on_rescaled} of them native's kernel ran on rescaled operands" if on_rescaled else "")
         )
     return {
         "model": w.name, "input": w.shape, "threads": threads,
