@@ -2206,15 +2206,17 @@ bool scale_in_place(at::Tensor& t, int k) {
 }
 
 // The compiled backend's result for a call computed on operands x 2^k (above), each result x 2^-k, or
-// nullopt where that is not finite. grad_output is copied where that is the smaller copy, or where the
-// copies of input and weight are not finite (2^k x their largest magnitude beyond the dtype's range);
-// grad_output x 2^k is finite unless a value is not (the sample missed it), and then so are the results.
+// nullopt where that is not finite. input (for grad_weight) and weight (for grad_input) are copied where
+// those copies are smaller than grad_output's, dense (a copy keeps the call's strides, so its signature,
+// kernel and output layout) and finite (2^k x their largest magnitude within the dtype's range); else
+// grad_output is (finite unless a value is not, which the sample missed, and then so are the results).
 std::optional<Result> serve_rescaled(const Args& a, const Expanded& e, LayerClass cls, int k, Choice& choice) {
   const bool want_gi = a.output_mask[0], want_gw = a.output_mask[1];
-  const auto copy = [&](const at::Tensor& t, bool scale) {
-    return !scale ? t : t.is_non_overlapping_and_dense() ? scaled_copy(t, k) : scaled_copy(t.contiguous(), k);
-  };
-  bool scale_go = want_gw && a.grad_output.numel() <= a.input.numel();
+  const bool operands_dense = (!want_gw || a.input.is_non_overlapping_and_dense()) &&
+      (!want_gi || a.weight.is_non_overlapping_and_dense());
+  const int64_t operands = (want_gw ? a.input.numel() : 0) + (want_gi ? a.weight.numel() : 0);
+  bool scale_go = !operands_dense || operands >= a.grad_output.numel();
+  const auto copy = [&](const at::Tensor& t, bool scale) { return scale ? scaled_copy(t, k) : t; };
   at::Tensor go = copy(a.grad_output, scale_go), x = copy(a.input, want_gw && !scale_go),
              w = copy(a.weight, want_gi && !scale_go);
   if (!scale_go && (!x.defined() || !w.defined())) {
@@ -2231,8 +2233,8 @@ std::optional<Result> serve_rescaled(const Args& a, const Expanded& e, LayerClas
     at::Tensor& t = *parts[i];
     // grad_bias sums grad_output alone: scaled only with it
     if (!t.defined() || t.numel() == 0 || (i == 2 && !scale_go)) continue;
-    if (!t.is_non_overlapping_and_dense()) t = t.contiguous();  // (kernels return dense results)
-    if (!scale_in_place(t, -k)) return std::nullopt;
+    // (kernels return dense results: one that is not is served as it is, its layout unchanged)
+    if (!t.is_non_overlapping_and_dense() || !scale_in_place(t, -k)) return std::nullopt;
   }
   return result;
 }

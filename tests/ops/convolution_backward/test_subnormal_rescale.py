@@ -113,6 +113,34 @@ def test_rescaling_changes_no_bit_where_nothing_underflows(rescale, layer, mask)
             assert torch.equal(o, p), (layer, i, (o - p).abs().max())
 
 
+@pytest.mark.parametrize("sliced", ["input", "weight", "both"])
+@pytest.mark.parametrize("layer", [name for name in LAYERS if name in ("pointwise 144->24", "pointwise 24->144",
+                                                                        "dense 3x3", "depthwise 5x5", "grouped",
+                                                                        "transposed")])
+def test_non_dense_operands_keep_their_layout(rescale, layer, sliced):
+    """A channel slice of a channels-last tensor (ShuffleNet's chunk) is not dense: a copy of it would
+    change the call's layout (native's output strides follow suggest_memory_format) and its kernel, so
+    grad_output is the one copied. Where nothing underflows: the same bits and strides as without the
+    rescale, native's strides."""
+    go, x, w, *rest = _call(layer, 2.0**-60)
+    def sliced_copy(t):
+        wide = torch.cat([t, torch.zeros_like(t)], dim=1).contiguous(memory_format=torch.channels_last)
+        return wide[:, : t.shape[1]]
+    if sliced in ("input", "both"):
+        x = sliced_copy(x)
+    if sliced in ("weight", "both"):
+        w = sliced_copy(w)
+    assert not (x if sliced != "weight" else w).is_contiguous(memory_format=torch.channels_last)
+    args = (go.contiguous(memory_format=torch.channels_last), x, w, *rest)
+    ours, last, rescaled = _served(rescale, args)
+    assert rescaled == 1, last
+    rescale.set_subnormal_rescale(False)
+    plain, _, _ = _served(rescale, args)
+    for o, p, n in zip(ours, plain, call_native(args)):
+        assert o.stride() == p.stride() == n.stride()
+        assert torch.equal(o, p)
+
+
 @pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
 @pytest.mark.parametrize("layer", LAYERS)
 def test_underflowing_gradients_are_right_to_the_dtype_rtol(rescale, layer, channels_last):
