@@ -149,6 +149,11 @@ class Machine:
     vdpbf16ps), ``"none"`` (no AVX512_BF16: the kernel declines) or ``"emulated"`` (forced, for tests);
     ``None`` without the extension."""
 
+    subnormal_cost: dict | None = None
+    """``_C.subnormal_cost()``: a float32 128x128 ``at::mm``'s time (microseconds) on operands whose products
+    are subnormal and on normal ones, and whether the compiled backend rescales underflowing calls here;
+    ``None`` without the extension."""
+
     def peak(self, dtype: torch.dtype) -> float:
         """Measured FLOP/s for ``dtype``; ``nan`` for a dtype not measured (float16)."""
         return self.peak_flops.get(_dtype_name(dtype), float("nan"))
@@ -183,6 +188,7 @@ def measure(dtypes=PEAK_DTYPES, peak_gflops: float | None = None, bandwidth_gbs:
         probe_flops=probes,
         vector_type=_extension_says("vector_type"),
         bf16_dot=_extension_says("bf16_dot"),
+        subnormal_cost=_extension_says("subnormal_cost"),
     )
 
 
@@ -215,5 +221,20 @@ def header(machine: Machine) -> str:
             f"bfloat16 dot products: {_BF16_DOTS.get(machine.bf16_dot, 'extension not built')}",
             f"FLOP peak (GFLOP/s, the faster of torch.mm 2048^2 and a 3x3 conv): {peaks}; "
             f"bandwidth {machine.bandwidth / 1e9:.1f} GB/s ({machine.bandwidth_source})",
+            subnormal_line(machine.subnormal_cost),
         ]
+    )
+
+
+def subnormal_line(cost: dict | None) -> str:
+    """What subnormal arithmetic costs here (``_C.subnormal_cost()``) and what the compiled backend does
+    about it, in one line (the benchmarks' header, ``python -m aten_override info``)."""
+    if cost is None:
+        return "subnormal arithmetic: extension not built"
+    ratio = cost["subnormal_us"] / cost["normal_us"]
+    verdict = "rescaled" if cost["rescale"] else "served as they are"
+    forced = " (forced)" if cost["forced"] else ""
+    return (
+        f"subnormal arithmetic: a 128x128 float32 mm on subnormal products {cost['subnormal_us']:.0f} us, on normal "
+        f"ones {cost['normal_us']:.0f} us ({ratio:.0f}x): float32 calls with gradients below 2^-32 {verdict}{forced}"
     )

@@ -41,6 +41,10 @@ def main(args) -> int:
     note = "" if cuda == "enabled" else " (CUDA calls of the compiled backend run the original kernel)"
     print(f"compiled CUDA kernels (depthwise class): {cuda}{note}")
     _print_autotune(compiled)
+    if compiled.extension() is not None:
+        from .._machine import subnormal_line
+
+        print(subnormal_line(compiled.extension().subnormal_cost()))
     _print_compiled_graphs()
     from ..tracing import current_flags
 

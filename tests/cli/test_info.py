@@ -21,6 +21,15 @@ def test_info_prints_the_table_and_the_cuda_kernels_state(capsys):
     assert expected in out.splitlines(), out
 
 
+@pytest.mark.skipif(compiled.unavailable_reason() is not None, reason="the compiled backend is not built")
+def test_info_says_whether_underflowing_calls_are_rescaled(capsys):
+    from aten_override._machine import subnormal_line
+
+    info.main(None)
+    line = subnormal_line(compiled.extension().subnormal_cost())
+    assert line.startswith("subnormal arithmetic: ") and line in capsys.readouterr().out.splitlines()
+
+
 @pytest.mark.skipif(torch.version.cuda is not None, reason="torch has CUDA: the extension may have CUDA kernels")
 def test_info_cpu_torch_says_not_built(capsys):
     info.main(None)
