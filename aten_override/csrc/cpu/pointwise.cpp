@@ -120,6 +120,46 @@ struct Chunk {
   const int64_t* index;  // 0, 1, 2, ... (positions, for fused::load_tiles)
   int64_t n, plane, c_in, c_out, ci_pad;
   bool wide;  // Vec or VecPair (fused::wide_vectors(), read once per call: wp's blocks follow it)
+  bool prefetched;  // the task before this one, on this thread, asked for this chunk's rows
+  // the next task's chunk on this thread (next_go null: none): its rows are asked for while this one computes
+  const void* next_go;
+  const void* next_x;
+  int64_t next_n;
+};
+
+// The next chunk's grad_output and input rows, asked for into L2 a few lines at a time while the current
+// chunk computes (all at once before it, the memory and the arithmetic did not overlap).
+template <typename acc_t>
+class Ahead {
+ public:
+  Ahead(const Chunk& k, int64_t ticks) {
+    if (!k.next_go) return;
+    go_ = static_cast<const char*>(k.next_go);
+    x_ = static_cast<const char*>(k.next_x);
+    row_bytes_ = k.plane * int64_t(sizeof(acc_t));
+    lines_per_row_ = (k.next_n * int64_t(sizeof(acc_t)) + 63) / 64;
+    go_rows_ = k.c_out;
+    rows_ = k.c_out + (x_ ? k.c_in : 0);
+    per_tick_ = (rows_ * lines_per_row_ + ticks - 1) / std::max<int64_t>(1, ticks);
+  }
+  // Asks for the next few lines.
+  ATEN_OVERRIDE_INLINE void tick() {
+    for (int64_t i = 0; i < per_tick_ && row_ < rows_; ++i) {
+      const char* base = row_ < go_rows_ ? go_ + row_ * row_bytes_ : x_ + (row_ - go_rows_) * row_bytes_;
+      __builtin_prefetch(base + line_ * 64, 0, 2);
+      if (++line_ == lines_per_row_) line_ = 0, ++row_;
+    }
+  }
+  // Asks for whatever is left.
+  void finish() {
+    per_tick_ = rows_ * lines_per_row_;
+    tick();
+  }
+
+ private:
+  const char* go_ = nullptr;
+  const char* x_ = nullptr;
+  int64_t row_bytes_ = 0, lines_per_row_ = 0, go_rows_ = 0, rows_ = 0, per_tick_ = 0, row_ = 0, line_ = 0;
 };
 
 template <typename V, typename acc_t>
@@ -127,18 +167,23 @@ ATEN_OVERRIDE_INLINE void run_chunk(const Chunk& k) {
   constexpr int64_t L = V::size, step = Cols<V> * L;
   constexpr int kRows = Rows<V>;
   const acc_t* go = static_cast<const acc_t*>(k.go);
-  // Rows a plane apart defeat the hardware prefetchers (one stream per channel): ask for the chunk's
-  // grad_output and input rows up front, each a contiguous run.
-  for (int64_t c = 0; c < k.c_out; ++c) fused::prefetch(go + c * k.plane, k.n);
-  if (k.gw) {
-    for (int64_t c = 0; c < k.c_in; ++c) fused::prefetch(static_cast<const acc_t*>(k.x) + c * k.plane, k.n);
+  // Rows a plane apart defeat the hardware prefetchers (one stream per channel): a thread's first chunk
+  // asks for its grad_output and input rows up front, each a contiguous run, and every chunk asks for
+  // the next one's while it computes (a tick per grad_input step of positions, per grad_weight block of rows).
+  if (!k.prefetched) {
+    for (int64_t c = 0; c < k.c_out; ++c) fused::prefetch(go + c * k.plane, k.n);
+    if (k.gw) {
+      for (int64_t c = 0; c < k.c_in; ++c) fused::prefetch(static_cast<const acc_t*>(k.x) + c * k.plane, k.n);
+    }
   }
+  Ahead<acc_t> ahead(k, (k.n + step - 1) / step);
   if (k.wp) {
     const acc_t* wp = static_cast<const acc_t*>(k.wp);
     acc_t* gi = static_cast<acc_t*>(k.gi);
     // Positions outer: a block of grad_output (C_out x step) stays in L1 across the channel blocks.
     int64_t p = 0;
     for (; p + step <= k.n; p += step) {
+      ahead.tick();
       for (int64_t c = 0; c < k.c_in; c += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, k.c_in - c));
         gi_tile<V, Cols<V>>(go + p, k.plane, wp + c * k.c_out, k.c_out, gi + c * k.plane + p, k.plane, rows);
@@ -173,6 +218,7 @@ ATEN_OVERRIDE_INLINE void run_chunk(const Chunk& k) {
       }
     }
   }
+  ahead.finish();
 }
 
 // The vector code, compiled for each ISA level (target_clones reaches only these non-template
@@ -186,14 +232,15 @@ ATEN_OVERRIDE_CLONES void run_chunk_d(const Chunk& k) {
   run_chunk<VecPair<double>, double>(k);
 }
 
-// Positions per chunk: grad_output and input rows of a chunk within half the L2, a whole number of
-// grad_input micro-kernels, at least one, at most the plane.
+// Positions per chunk: grad_output and input rows of a chunk within half the L2 (a quarter where grad_input
+// is computed: the next chunk's rows arrive meanwhile), a whole number of grad_input micro-kernels, at
+// least one, at most the plane.
 template <typename acc_t>
-int64_t chunk_positions(const DirectProblem& p, int64_t plane, bool wide) {
+int64_t chunk_positions(const DirectProblem& p, int64_t plane, bool wide, bool gi) {
   constexpr int64_t element_size = sizeof(acc_t);
   const int64_t step = fused::cols_of<acc_t>(wide) * Vec<acc_t>::size;
   const int64_t l2 = cache_bytes(2) > 0 ? cache_bytes(2) : int64_t{1} << 20;
-  const int64_t n = l2 / 2 / ((p.in_per_group + p.out_per_group) * element_size) / step * step;
+  const int64_t n = l2 / (gi ? 4 : 2) / ((p.in_per_group + p.out_per_group) * element_size) / step * step;
   return std::min(plane, std::max(step, n));
 }
 
@@ -203,7 +250,7 @@ void pointwise_backward_typed(
     at::Tensor* gw) {
   const int64_t c_in = p.in_per_group, c_out = p.out_per_group, plane = p.in[0] * p.in[1] * p.in[2];
   const bool wide = fused::wide_vectors();
-  const int64_t per_chunk = chunk_positions<acc_t>(p, plane, wide);
+  const int64_t per_chunk = chunk_positions<acc_t>(p, plane, wide, gi != nullptr);
   const int64_t chunks = (plane + per_chunk - 1) / per_chunk, tasks = p.batch * chunks;
   // weight packed for gi_tile: wp[c / rows][co][c % rows] = weight[co, c], zeros past C_in, in blocks of
   // the micro-kernel's rows.
@@ -230,9 +277,21 @@ void pointwise_backward_typed(
   at::parallel_for(0, slabs, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> xt(gw ? per_chunk * ci_pad : 0);
     for (int64_t s = begin; s < end; ++s) {
-      for (int64_t t = s * tasks / slabs; t < (s + 1) * tasks / slabs; ++t) {
+      const int64_t slab_end = (s + 1) * tasks / slabs;
+      for (int64_t t = s * tasks / slabs; t < slab_end; ++t) {
         const int64_t n = t / chunks, first = t % chunks * per_chunk;
         Chunk k;
+        // (grad_weight alone: no grad_input steps to spread the next chunk's rows over)
+        k.prefetched = gi && (s != begin || t != s * tasks / slabs);
+        k.next_go = k.next_x = nullptr;
+        k.next_n = 0;
+        const int64_t next = !gi ? -1 : t + 1 < slab_end ? t + 1 : s + 1 < end ? slab_end : -1;
+        if (next >= 0) {
+          const int64_t next_n = next / chunks, next_first = next % chunks * per_chunk;
+          k.next_go = go_d + next_n * c_out * plane + next_first;
+          k.next_x = x_d ? x_d + next_n * c_in * plane + next_first : nullptr;
+          k.next_n = std::min(per_chunk, plane - next_first);
+        }
         k.go = go_d + n * c_out * plane + first;
         k.x = x_d ? x_d + n * c_in * plane + first : nullptr;
         k.wp = gi ? wp.data() : nullptr;
