@@ -268,7 +268,7 @@ struct Counters {
   std::atomic<int64_t> split[static_cast<int>(Kernel::Count)][static_cast<int>(Kernel::Count)] = {};
   std::atomic<int64_t> served{0};    // calls the registered C++ kernel served in the compiled backend
   std::atomic<int64_t> fallback{0};  // calls it handed to the original kernel
-  std::atomic<int64_t> rescaled{0};  // served calls computed on grad_output x 2^k (serve_rescaled)
+  std::atomic<int64_t> rescaled{0};  // served calls computed on operands x 2^k (serve_rescaled)
   std::mutex reasons_mutex;
   std::map<std::string, int64_t> fallback_reasons;
 };
@@ -1579,7 +1579,7 @@ Autotuner& autotuner() {
 struct LastCall {
   std::string kernel;
   bool tuned = false;  // this call tuned its signature
-  int rescale_exponent = 0;  // k > 0: computed on grad_output x 2^k (serve_rescaled)
+  int rescale_exponent = 0;  // k > 0: computed on operands x 2^k (serve_rescaled)
   std::vector<std::pair<std::string, double>> times_us;
   std::vector<std::pair<std::string, std::string>> rejected;
 };
@@ -2047,7 +2047,7 @@ Result serve_derived_call(const Args& f) {
 // convolution backward of a step 1706 ms against 371 ms on power-of-two rescaled grad_outputs.
 // A convolution backward is linear in grad_output and, for each gradient, in the other operand:
 // grad_input from grad_output and weight x 2^k, grad_weight from grad_output and input x 2^k (or both
-// from grad_output x 2^k, where that tensor is the smaller copy) are 2^k times the call's, exactly where
+// from grad_output x 2^k, where input and weight are larger or not dense) are 2^k times the call's, exactly where
 // nothing underflows, and their products stay out of the subnormal range; the results x 2^-k round once
 // where they are subnormal, where natively every underflowing product and partial sum rounds: the same
 // values where nothing underflows, closer to the exact ones where something does (grad_bias, a sum of
@@ -2697,7 +2697,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("autotune_clear", &py_autotune_clear, "Forget every tuned signature.");
   m.def("last_call", &py_last_call,
         "What the last compiled call of this thread ran: {'kernel', 'tuned', 'times_us', 'rejected', "
-        "'rescale_exponent'} (k > 0: computed on grad_output x 2^k, its results x 2^-k).");
+        "'rescale_exponent'} (k > 0: computed on grad_output, or input and weight, x 2^k, its results x 2^-k).");
   m.def(
       "subnormal_cost",
       []() {
@@ -2714,9 +2714,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "normal ones, and whether serving rescales float32 / float64 calls whose grad_output lies below 2^-32 / "
       "2^-256 (computed on grad_output x 2^k, or on input and weight x 2^k, k putting grad_output's largest "
       "magnitude in [0.5, 1), the results x 2^-k: exact where nothing underflows, one rounding where natively "
-      "every underflowing product rounds): where "
-      "the subnormal run took over twice the normal one, or as set_subnormal_rescale forced it. Threads that "
-      "flush subnormals (torch.set_flush_denormal(True)) never rescale");
+      "every underflowing product rounds): where the subnormal run took over twice the normal one, or as "
+      "set_subnormal_rescale forced it. Threads that flush subnormals (torch.set_flush_denormal(True)) never "
+      "rescale");
   m.def(
       "set_subnormal_rescale",
       [](std::optional<bool> on) { forced_rescale.store(on ? (*on ? 1 : 0) : -1); },
