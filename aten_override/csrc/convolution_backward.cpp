@@ -2258,14 +2258,13 @@ Result compiled_backward(const Args& a) {
   auto& c = counters();
   Choice choice;
   Result result;
-  last_call.rescale_exponent = rescale_exponent(a, cls);
-  std::optional<Result> rescaled;
-  if (last_call.rescale_exponent) rescaled = serve_rescaled(a, e, cls, last_call.rescale_exponent, choice);
+  const int k = rescale_exponent(a, cls);
+  std::optional<Result> rescaled = k ? serve_rescaled(a, e, cls, k, choice) : std::nullopt;
+  last_call.rescale_exponent = rescaled ? k : 0;
   if (rescaled) {
     result = std::move(*rescaled);
     c.rescaled.fetch_add(1, std::memory_order_relaxed);
   } else {
-    last_call.rescale_exponent = 0;
     std::tie(choice, result) = choose_and_run(a, e, cls);
   }
   (choice.split() ? c.split[static_cast<int>(choice.gi)][static_cast<int>(choice.gw)]
