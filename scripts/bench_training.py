@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import csv
 import dataclasses
 import math
@@ -101,6 +102,10 @@ class Workload:
     model: nn.Module
     loss: Callable[[], torch.Tensor]
     shape: str  # the input, for the table
+    # the model's and its optimizer's state before the first step (restore_if_not_finite)
+    initial: tuple[dict, dict] | None = None
+    # steps per side that left a weight or buffer non-finite (each time restored to ``initial``)
+    not_finite: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
 
 
 def _image_classifier(name: str, model: nn.Module, batch: int, size: int) -> Workload:
@@ -228,7 +233,26 @@ def build(name: str, args) -> tuple[Workload, torch.optim.Optimizer]:
     w = MODELS[name](args)
     w.model.train()
     # A small learning rate: thousands of steps on random labels must not diverge to inf / nan.
-    return w, torch.optim.SGD(w.model.parameters(), lr=1e-4, momentum=0.9)
+    opt = torch.optim.SGD(w.model.parameters(), lr=1e-4, momentum=0.9)
+    w.initial = (copy.deepcopy(w.model.state_dict()), copy.deepcopy(opt.state_dict()))
+    return w, opt
+
+
+def restore_if_not_finite(w: Workload, opt: torch.optim.Optimizer, name: str) -> None:
+    """After a step of side ``name`` (outside its timing): where a weight or buffer is no longer finite,
+    count it against the side and restore the model and optimizer to their state before the first step.
+    Both sides train the same model, so one side's wrong gradients would otherwise leave both timing
+    steps on NaN from then on: torch 2.13's bfloat16 R(2+1)D-18 step on an AMX-BF16 CPU (oneDNN's 3-D
+    grad_weight there, see the dead-taps class) left two weights NaN after its first native step and
+    all 113 after its second, and every R(2+1)D bfloat16 number this script gave before measured both
+    sides on NaN."""
+    state = w.model.state_dict()
+    if all(bool(t.isfinite().all()) for t in state.values() if t.is_floating_point()):
+        return
+    w.not_finite[name] += 1
+    if w.initial is not None:
+        w.model.load_state_dict(w.initial[0])
+        opt.load_state_dict(copy.deepcopy(w.initial[1]))
 
 
 def side(name: str):
@@ -271,6 +295,7 @@ def timed_steps(w: Workload, opt, name: str, steps: int) -> float:
             step(w, opt)
             times.append(time.perf_counter() - start)
             FAULTS[name].append(minor_faults() - faults)
+            restore_if_not_finite(w, opt, name)
     return statistics.median(times)
 
 
@@ -353,6 +378,7 @@ def traced_steps(w: Workload, opt, name: str, steps: int) -> tuple[float, dict[s
             start = time.perf_counter()
             step(w, opt)
             walls.append(time.perf_counter() - start)
+        restore_if_not_finite(w, opt, name)
         this_step: dict[str, Layer] = defaultdict(Layer)
         for call in t.calls:
             layer = this_step[_short_module(call.module)]
@@ -496,6 +522,7 @@ def subnormal_census(w: Workload, opt: torch.optim.Optimizer) -> Subnormals:
     finally:
         for h in handles:
             h.remove()
+    restore_if_not_finite(w, opt, "native")
     return census
 
 
@@ -531,6 +558,13 @@ def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, r
            "; each subnormal operand or result costs a microcode assist on Intel CPUs, natively and ours: see --flush-denormal"
            if subnormals.near_share > 0.001 else "")
     )
+    if any(w.not_finite.values()):
+        print(
+            "steps that left a weight or buffer non-finite (each time the model was restored to its initial "
+            "state, so that every step computes on finite values): "
+            + ", ".join(f"{s} {w.not_finite[s]}" for s in SIDES)
+            + ": that side's gradients are wrong here"
+        )
     native, ours = traces["native"][1], traces["compiled"][1]
     print(f"top {TOP_LAYERS} conv layers by backward time (either side); GFLOP/s and % of roofline (measured peaks) of ours")
     print("  (a direct convolution's FLOPs: winograd and kn2row-lanes, which skip multiplications, can read above 100%):")
@@ -579,6 +613,7 @@ def report(w: Workload, threads: int, times: dict, ratio: float, traces: dict, r
         "near_subnormal_grad_output_pct": 100 * subnormals.near_share,
         "native_faults": statistics.median(FAULTS["native"]) if FAULTS["native"] else float("nan"),
         "compiled_faults": statistics.median(FAULTS["compiled"]) if FAULTS["compiled"] else float("nan"),
+        "native_not_finite_steps": w.not_finite["native"], "compiled_not_finite_steps": w.not_finite["compiled"],
     }
 
 
@@ -589,6 +624,8 @@ def print_summary(rows: list[dict]) -> None:
         print(
             f"{r['model']:16s} {r['input']:20s} {r['threads']:7d} {r['native_ms']:10.1f} {r['compiled_ms']:11.1f} "
             f"{r['ratio']:6.2f} {r['native_conv_bwd_pct']:17.0f} {r['compiled_conv_bwd_pct']:5.0f} {r['conv_bwd_ratio']:14.2f}"
+            + ("  native's gradients non-finite: model restored" if r["native_not_finite_steps"] else "")
+            + ("  compiled's gradients non-finite: model restored" if r["compiled_not_finite_steps"] else "")
         )
     for threads in sorted({r["threads"] for r in rows}):
         these = [r for r in rows if r["threads"] == threads]

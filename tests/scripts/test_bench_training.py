@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import re
 import sys
@@ -92,3 +93,29 @@ def test_subnormal_census_counts_each_conv_layers_grad_output(monkeypatch):
     w35 = bt.Workload("near", model, lambda: (model(x) * 1e-35).sum(), "2x2x6x6")
     census35 = bt.subnormal_census(w35, opt)
     assert census35.near >= 2 * 4 * 4 * 4 and census35.subnormal < census35.near, census35
+
+
+def test_a_step_that_leaves_a_weight_non_finite_is_counted_and_undone(monkeypatch):
+    """Both sides train one model: a side whose gradients are wrong (torch 2.13's bfloat16 R(2+1)D-18
+    step on AMX-BF16 left its weights NaN after two native steps) must not leave the other timing steps
+    on NaN. The step is counted against its side and the model and optimizer go back to their state
+    before the first step; a finite step changes nothing."""
+    bt = _load_script(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3))
+    x = torch.randn(2, 2, 6, 6)
+    w = bt.Workload("tiny", model, lambda: model(x).square().mean(), "2x2x6x6")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    w.initial = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    bt.step(w, opt)
+    bt.restore_if_not_finite(w, opt, "compiled")
+    assert not any(w.not_finite.values()), w.not_finite
+    trained = copy.deepcopy(model.state_dict())
+    assert not torch.equal(trained["0.weight"], w.initial[0]["0.weight"])
+    with torch.no_grad():
+        model[0].weight[0, 0, 0, 0] = float("nan")
+    bt.restore_if_not_finite(w, opt, "native")
+    assert w.not_finite["native"] == 1 and w.not_finite["compiled"] == 0, w.not_finite
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, w.initial[0][key]), key
+    assert opt.state_dict()["state"] == {}, "the momentum buffers are the initial (none)"
