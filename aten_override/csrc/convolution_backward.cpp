@@ -141,7 +141,8 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "EfficientNet's expand convolutions, at one thread; slower than native on small planes), pointwise-bf16 on "
      "1x1 stride-1 bfloat16 layers where the CPU has AVX512_BF16 (cpu/pointwise_bf16.cpp: the same plan with "
      "bfloat16 dot products; 0.5-0.8x native's oneDNN on few-channel layers, one thread, Zen 4), and kn2row-lanes "
-     "on float32 / float64 layers of 1-D shape, any stride (cpu/kn2row.cpp)"},
+     "on float32 / float64 layers of 1-D shape, any stride (cpu/kn2row.cpp), and gemm-kn2row on bfloat16 "
+     "stride-1 layers with taps in one dim (oneDNN's bfloat16 GEMMs, each output rounded once)"},
     {"transposed", "native", "transposed layers: no compiled kernel yet; native's oneDNN paths serve them (use native)"},
     {"bias-only", "sum",
      "output_mask asks for neither grad_input nor grad_weight: grad_bias is grad_output's sum over every dim but 1 "
@@ -186,7 +187,9 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "there) by the compiled backend's own choice for the float32 call (native, or a kernel measured "
      "faster: gemm-kn2row on R(2+1)D's 3x1x1 layers) and rounded once, into native's layout; where the dead "
      "taps are the kernel's ends, the call without them, in its own dtype (kernel live-taps: R(2+1)D's 3x1x1 "
-     "layers at one frame). Also 3-D layers on oneDNN, any dtype but float64, with padding > stride in depth "
+     "layers at one frame). Where amx_3d_weight is the only defect the autotuner measures the candidates "
+     "against fold-2d: gemm-kn2row in bfloat16 on R(2+1)D's 3x1x1 layers (0.45-0.5x fold-2d's time on its "
+     "144 -> 64 layer at 56x56, one or two threads). Also 3-D layers on oneDNN, any dtype but float64, with padding > stride in depth "
      "and no row there meeting the whole kernel (transposed: no input position writing inside the output; "
      "regular: no output position reading inside the input, e.g. depth 3, kernel 9, stride 4, padding 7): "
      "oneDNN's float32 gradients were wrong, hung or corrupted the heap on some; computed in float64 the "
@@ -1377,8 +1380,8 @@ std::optional<std::string> candidate_unsupported(Kernel k, const Args& a, const 
       return "reduced precision outside one-GEMM pointwise layers (float32 copies: twice native's memory)";
     }
     case Kernel::GemmKn2row:
-      if (full && kn2row_applies(p)) return std::nullopt;
-      return "not stride 1 with taps in one dim, or reduced precision";
+      if ((full || dtype == at::kBFloat16) && kn2row_applies(p)) return std::nullopt;
+      return "not stride 1 with taps in one dim, or float16";
     case Kernel::Winograd: return winograd_unsupported(p);
     case Kernel::PointwiseFused: return pointwise_unsupported(p, dtype);
     case Kernel::Kn2rowLanes: return kn2row_lanes_unsupported(p, dtype);
@@ -1400,13 +1403,15 @@ std::optional<std::string> candidate_unsupported(Kernel k, const Args& a, const 
 }
 
 // Whether the autotuner may choose for a call of this class: a CPU call computing grad_input or
-// grad_weight of a regular convolution on a path native computes correctly.
-bool tunable(LayerClass cls, const Args& a) {
+// grad_weight of a regular convolution on a path native computes correctly, or one whose only defect
+// is amx_3d_weight, against fold-2d (native's right 2-D path) as the reference.
+bool tunable(LayerClass cls, const Args& a, const Expanded& e) {
   switch (cls) {
     case LayerClass::Empty:
     case LayerClass::BiasOnly:
-    case LayerClass::DeadTaps:
     case LayerClass::Transposed: return false;
+    case LayerClass::DeadTaps:
+      return a.grad_output.is_cpu() && !a.transposed && defect_stand_in(a, e) == Kernel::Fold2d;
     default: return a.grad_output.is_cpu();
   }
 }
@@ -1445,7 +1450,9 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
     case Kernel::Kn2rowLanes: {
       const bool gemm = k == Kernel::GemmIm2col || k == Kernel::GemmKn2row || k == Kernel::Kn2rowPlanes;
       const bool winograd = k == Kernel::Winograd;
-      if (cpu && !gemm && a.output_mask[0] && !all_finite(a.weight)) return std::nullopt;
+      // (bfloat16 gemm-kn2row too: its stacked grad_output has zeros where a tap meets no output)
+      const bool stacked = k == Kernel::GemmKn2row && a.grad_output.scalar_type() == at::kBFloat16;
+      if (cpu && (!gemm || stacked) && a.output_mask[0] && !all_finite(a.weight)) return std::nullopt;
       // The kn2row kernels form only the products of positions where a tap meets the input: an inf / NaN
       // in grad_output at an output position that only padding meets (native: inf x 0 = NaN in that
       // tap's grad_weight) would vanish from grad_weight, so such calls get native's result.
@@ -1966,8 +1973,8 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
 
 // Whether the table decides for a call of class `cls` (autotune off, deterministic mode, or a class
 // the autotuner does not choose for).
-bool static_choice_only(LayerClass cls, const Args& a) {
-  return !autotuner().enabled.load(std::memory_order_relaxed) || !tunable(cls, a) ||
+bool static_choice_only(LayerClass cls, const Args& a, const Expanded& e) {
+  return !autotuner().enabled.load(std::memory_order_relaxed) || !tunable(cls, a, e) ||
       at::globalContext().deterministicAlgorithms();
 }
 
@@ -1997,7 +2004,7 @@ Choice usable_choice(Choice tuned, Kernel static_choice, const Args& a, const Ex
 // What serves a call of class `cls`: the table's kernel, or the tuned choice (tuning it first).
 Choice choose_kernel(const Args& a, const Expanded& e, LayerClass cls) {
   const Kernel static_choice = static_kernel(cls, a, e);
-  if (static_choice_only(cls, a)) return Choice::whole(static_choice);
+  if (static_choice_only(cls, a, e)) return Choice::whole(static_choice);
   auto& tuner = autotuner();
   const Signature key = signature(a);
   const auto usable = [&](Choice c) { return usable_choice(c, static_choice, a, e); };
@@ -2357,7 +2364,7 @@ std::string planned_kernel_name(const Args& a) {
   const Expanded e = check_args(a);
   const LayerClass cls = classify(a, e);
   const Kernel static_choice = static_kernel(cls, a, e);
-  if (static_choice_only(cls, a)) return kernel_name(static_choice);
+  if (static_choice_only(cls, a, e)) return kernel_name(static_choice);
   const auto choice = tuned_choice(signature(a));
   return choice ? choice_name(usable_choice(*choice, static_choice, a, e)) : "tuning";
 }
@@ -2390,7 +2397,7 @@ std::optional<Result> run_named_kernel(const std::string& name, const Args& a) {
           "output_padding, and depth stride 1 if transposed), no dilation on a dim of more than one tap, and no "
           "dead tap, short padded dim, or depth without a full row");
     }
-    if (!tunable(cls, a)) {
+    if (!tunable(cls, a, e)) {
       throw py::value_error(c10::str("a call of class ", kLayerClasses[static_cast<int>(cls)].name, " is served by ",
                                      kernel_name(table), " only"));
     }

@@ -53,7 +53,7 @@ void direct_grad_weight_cuda(
 // grad_weight as at::mm / at::addmm products over a bounded workspace, grouped layers group by group.
 enum class GemmAlgorithm : int {
   Im2col,  // columns gathered per chunk of output positions (views of input for 1x1 stride 1)
-  Kn2row,  // one GEMM per kernel tap on shifted views; only where kn2row_applies()
+  Kn2row,  // one GEMM per kernel tap on shifted views (bfloat16: see kn2row_bf16); only where kn2row_applies()
   Kn2rowPlanes,  // Kn2row's products on the vector micro-kernels (fused::gemm), float32 / float64
 };
 
@@ -70,7 +70,7 @@ bool gemm_keeps_reduced_dtype(GemmAlgorithm algorithm, const DirectProblem& p, i
 // wanted) of the contiguous NC(D)HW grad_output, input (undefined when grad_weight is not wanted) and
 // weight (undefined when grad_input is not wanted), all of one floating dtype; the
 // outputs are contiguous and every element is written. float16 / bfloat16 compute in float32 but
-// where gemm_keeps_reduced_dtype().
+// where gemm_keeps_reduced_dtype(), and bfloat16 Kn2row (oneDNN's bfloat16 GEMMs, each output rounded once).
 void gemm_backward_cpu(
     GemmAlgorithm algorithm, const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight);

@@ -197,6 +197,16 @@ def _calls():
     # padded, a padded tap, dilation
     calls["3x1x1 p2 d2 20->24 5x30x31 (column blocks)"] = _call(20, 24, 1, (3, 1, 1), (5, 30, 31), padding=(2, 0, 0),
                                                                dilation=(2, 1, 1))
+    # gemm-kn2row in bfloat16 (oneDNN's bfloat16 GEMMs, each output rounded once): a padded temporal
+    # layer, several grad_input blocks and a channels-last input, taps in the last dim
+    # (1-D, dilated: HiFi-GAN), taps in H, groups
+    calls["3x1x1 p1 bf16 12->10 (R(2+1)D temporal)"] = _call(12, 10, 1, (3, 1, 1), (4, 9, 9), padding=(1, 0, 0),
+                                                            dtype=torch.bfloat16, batch=3)
+    calls["3x1x1 p1 bf16 channels_last 20->24 5x30x31 (blocks)"] = _call(
+        20, 24, 1, (3, 1, 1), (5, 30, 31), padding=(1, 0, 0), dtype=torch.bfloat16, channels_last=True)
+    calls["1-D k7 p9 d3 bf16 (HiFi-GAN)"] = _call(16, 16, 1, 7, (50,), padding=9, dilation=3, dtype=torch.bfloat16)
+    calls["2-D 3x1 p(1,0) bf16 (taps in H)"] = _call(10, 12, 1, (3, 1), (9, 7), padding=(1, 0), dtype=torch.bfloat16)
+    calls["grouped 1-D k5 p2 bf16"] = _call(16, 24, 2, 5, (40,), padding=2, dtype=torch.bfloat16)
     # R(2+1)D's spatial 1x3x3 layers: depth folded into the batch
     g = torch.Generator().manual_seed(3)
     x5, w5, go5 = torch.randn(2, 6, 3, 9, 8, generator=g), torch.randn(10, 6, 1, 3, 3, generator=g), torch.randn(2, 10, 3, 9, 8, generator=g)

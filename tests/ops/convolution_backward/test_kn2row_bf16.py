@@ -1,0 +1,154 @@
+r"""gemm-kn2row in bfloat16 (``kn2row_bf16`` in ``csrc/cpu/gemm.cpp``): stride-1 layers with taps in one
+dim (R(2+1)D's 3x1x1 temporal layers, HiFi-GAN's dilated 1-D layers) computed on the bfloat16 tensors by
+oneDNN's bfloat16 GEMMs, each output element the result of a single GEMM that sums in float32 and rounds
+once, as native's oneDNN convolution does (a GEMM per tap would round each tap's sum: bfloat16 has 8
+bits of mantissa, so that would move about a third of the elements by an ulp).
+
+Where torch 2.13's oneDNN bfloat16 3-D grad_weight is wrong (a CPU with AMX-BF16, ``amx_3d_weight``), the
+call's reference is fold-2d (native's right 2-D path), and the autotuner now measures the candidates
+against it; elsewhere against native.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aten_override
+from aten_override.ops.convolution_backward import compiled
+from aten_override.testing.comparison import call_native, check_tensor, float64_reference, significant_strides
+from tests.ops.convolution_backward.test_candidates import _call
+
+pytestmark = pytest.mark.skipif(compiled.unavailable_reason() is not None, reason=str(compiled.unavailable_reason()))
+
+_OP = torch.ops.aten.convolution_backward.default
+BF16 = torch.bfloat16
+
+CALLS = {
+    "3x1x1 p1 (R(2+1)D temporal)": _call(12, 10, 1, (3, 1, 1), (4, 9, 9), padding=(1, 0, 0), dtype=BF16, batch=3),
+    "3x1x1 p1 channels_last, several grad_input blocks": _call(20, 24, 1, (3, 1, 1), (5, 30, 31), padding=(1, 0, 0),
+                                                                dtype=BF16, channels_last=True),
+    "3x1x1 no padding": _call(16, 8, 1, (3, 1, 1), (6, 5, 5), dtype=BF16),
+    "5x1x1 p2": _call(8, 16, 1, (5, 1, 1), (7, 4, 6), padding=(2, 0, 0), dtype=BF16),
+    "1-D k7 p9 d3 (HiFi-GAN)": _call(16, 16, 1, 7, (50,), padding=9, dilation=3, dtype=BF16),
+    "1-D k4 p1 (asymmetric reach)": _call(24, 20, 1, 4, (33,), padding=1, dtype=BF16),
+    "2-D 3x1 p(1,0) (taps in H)": _call(10, 12, 1, (3, 1), (9, 7), padding=(1, 0), dtype=BF16),
+    "2-D 1x5 p(0,2) (taps in W)": _call(10, 12, 1, (1, 5), (1, 40), padding=(0, 2), dtype=BF16),
+    "grouped 1-D k5 p2": _call(16, 24, 2, 5, (40,), padding=2, dtype=BF16),
+}
+MASKS = ([True, True, True], [True, False, False], [False, True, False], [False, True, True])
+
+
+def _run(args):
+    ext = compiled.extension()
+    try:
+        return ext.run_kernel("gemm-kn2row", *args)
+    except ValueError as e:
+        pytest.fail(f"gemm-kn2row declined a bfloat16 call it computes: {e}")
+
+
+def _assert_rounded_once(ours: torch.Tensor, reference: torch.Tensor, where: str) -> None:
+    """``ours`` is float64's value rounded to bfloat16 once: every element within one bfloat16 ulp of it
+    (float32 sums may flip a rounding: a few elements), nearly all of them equal to it."""
+    rounded = reference.to(BF16)
+    scale = reference.abs().max().item()
+    error = (ours.double() - reference).abs()
+    bound = reference.abs() * 2.0 ** -8 + scale * 2.0 ** -14
+    assert bool((error <= bound).all()), f"{where}: off by {(error - bound).max().item():.3g} beyond one ulp"
+    equal = (ours == rounded).double().mean().item()
+    assert equal >= 0.97, f"{where}: only {equal:.1%} of the elements are float64's rounded once"
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=["all", "grad_input", "grad_weight", "grad_weight+bias"])
+@pytest.mark.parametrize("call", list(CALLS))
+def test_each_output_is_float64s_rounded_once(call, mask):
+    args = (*CALLS[call][:-1], mask)
+    ours = _run(args)
+    assert ours is not None, "declined finite inputs"
+    native = call_native(args)  # dtypes, shapes, strides: native's (its 3-D values may be wrong on AMX)
+    reference = float64_reference(args)
+    for i, name in enumerate(("grad_input", "grad_weight", "grad_bias")):
+        if not mask[i]:
+            assert ours[i] is None, f"{name}: output_mask leaves it out"
+            continue
+        if i == 2:
+            check_tensor(ours[i], native[i], reference[i], where=f"{call} {name}")
+            continue
+        assert ours[i].dtype == BF16 and ours[i].shape == native[i].shape, (name, ours[i].dtype, ours[i].shape)
+        assert significant_strides(ours[i]) == significant_strides(native[i]), (name, ours[i].stride(), native[i].stride())
+        _assert_rounded_once(ours[i], reference[i], f"{call} {name}")
+
+
+def test_a_sum_rounded_per_tap_fails_the_rounding_check():
+    """The check above tells one rounding from one per tap: the taps' bfloat16 partial sums added up
+    (what one GEMM per tap would give) miss float64's rounded value on many elements."""
+    go, x, w, *rest = CALLS["3x1x1 p1 (R(2+1)D temporal)"]
+    reference = float64_reference((go, x, w, *rest))[0]
+    per_tap = torch.zeros_like(reference, dtype=BF16)
+    for k in range(w.shape[2]):
+        wk = torch.zeros_like(w)
+        wk[:, :, k] = w[:, :, k]
+        part = call_native((go.double(), x.double(), wk.double(), *rest))[0].to(BF16)
+        per_tap = per_tap + part
+    with pytest.raises(AssertionError, match="rounded once|beyond one ulp"):
+        _assert_rounded_once(per_tap, reference, "per tap")
+
+
+def test_declines_grad_input_where_weight_is_not_finite():
+    """Its stacked grad_output holds zeros where a tap meets no output position; inf x 0 there would be
+    NaN where native skips the term: calls asking for grad_input with a non-finite weight decline
+    (native's result serves), grad_weight alone is still computed."""
+    go, x, w, *rest = CALLS["3x1x1 p1 (R(2+1)D temporal)"]
+    w = w.clone()
+    w[0, 0, 2] = float("inf")
+    ext = compiled.extension()
+    assert ext.run_kernel("gemm-kn2row", go, x, w, *rest[:-1], [True, False, False]) is None
+    assert ext.run_kernel("gemm-kn2row", go, x, w, *rest[:-1], [False, True, False]) is not None
+
+
+def test_declines_grad_weight_where_input_is_not_finite():
+    """grad_weight's padded copies put zero frames of grad_output against neighbouring input frames: an
+    inf in input makes NaN there, so a non-finite grad_weight declines (native's result serves)."""
+    go, x, w, *rest = CALLS["3x1x1 p1 (R(2+1)D temporal)"]
+    x = x.clone()
+    x[1, 3, 0, 2, 2] = float("inf")
+    assert compiled.extension().run_kernel("gemm-kn2row", go, x, w, *rest[:-1], [False, True, False]) is None
+    with aten_override.enable("compiled", autotune=False):
+        ours = _OP(go, x, w, *rest[:-1], [False, True, False])
+    assert ours[1].isnan().any() or ours[1].isinf().any()
+
+
+def test_float16_is_not_a_candidate():
+    go, x, w, *rest = CALLS["1-D k7 p9 d3 (HiFi-GAN)"]
+    with pytest.raises(ValueError, match="gemm-kn2row cannot compute this call: .*float16"):
+        compiled.extension().run_kernel("gemm-kn2row", go.half(), x.half(), w.half(), *rest)
+
+
+@pytest.fixture
+def fresh_table():
+    from aten_override import autotune
+
+    autotune.clear()
+    aten_override.reset_stats()
+    yield autotune
+    autotune.clear()
+
+
+def test_the_autotuner_measures_it_on_a_temporal_layer(fresh_table):
+    """A bfloat16 3x1x1 call asking for grad_weight is tuned, gemm-kn2row among its candidates, against
+    fold-2d where native's 3-D path is wrong (AMX-BF16) and against native elsewhere; whichever wins
+    serves it, and the result agrees with float64."""
+    args = _call(32, 16, 1, (3, 1, 1), (4, 14, 14), padding=(1, 0, 0), dtype=BF16, batch=2)
+    with aten_override.enable("compiled", autotune=True):
+        ours = _OP(*args)
+    tuned = [e for e in fresh_table.entries() if e["tune_us"] > 0]
+    # on AMX-BF16 fold-2d's 2-D calls are tuned too (while fold-2d computes the reference)
+    (entry,) = [e for e in tuned if "fold-2d" in {*e["times_us"], *e["rejected"]}] or tuned
+    measured = {name for name in {*entry["times_us"], *entry["rejected"]} if ":" not in name}
+    assert "gemm-kn2row" in measured, entry
+    assert measured & {"fold-2d", "native"}, entry
+    assert "gemm-kn2row" not in entry["rejected"], entry
+    reference = float64_reference(args)
+    for i in range(2):
+        error = (ours[i].double() - reference[i]).abs().max().item()
+        assert error <= 2.0 ** -7 * reference[i].abs().max().item(), (i, error)
