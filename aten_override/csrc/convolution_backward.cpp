@@ -1380,7 +1380,8 @@ std::optional<std::string> candidate_unsupported(Kernel k, const Args& a, const 
       return "reduced precision outside one-GEMM pointwise layers (float32 copies: twice native's memory)";
     }
     case Kernel::GemmKn2row:
-      if ((full || dtype == at::kBFloat16) && kn2row_applies(p)) return std::nullopt;
+      if (dtype == at::kBFloat16) return kn2row_bf16_unsupported(p);
+      if (full && kn2row_applies(p)) return std::nullopt;
       return "not stride 1 with taps in one dim, or float16";
     case Kernel::Winograd: return winograd_unsupported(p);
     case Kernel::PointwiseFused: return pointwise_unsupported(p, dtype);

@@ -61,6 +61,11 @@ enum class GemmAlgorithm : int {
 // without padding and the dims before it of size 1 (3x1x1 3-D layers, (k, 1) 2-D and all 1-D layers).
 bool kn2row_applies(const DirectProblem& p);
 
+// Why Kn2row cannot compute p in bfloat16 (nullopt: it can): there it runs on zero-padded copies (any
+// padding and dilation) and needs stride 1, groups == 1 or kn2row_applies(), and a padded grid of at
+// most a few times the input's positions.
+std::optional<std::string> kn2row_bf16_unsupported(const DirectProblem& p);
+
 // Whether gemm_backward_cpu computes a float16 / bfloat16 problem in its own dtype, each output one
 // oneDNN GEMM that accumulates in float32 and rounds once (pointwise layers whose whole batch fits one
 // workspace chunk), rather than in float32 on float32 copies.

@@ -31,7 +31,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -593,7 +597,96 @@ void kn2row_planes(
   }
 }
 
-// Input positions per grad_input task of kn2row_bf16: the task's stacked grad_output block (taps *
+// The zero-padded grid kn2row_bf16's channel-major copies live in: per dim G = max(padding + in,
+// out + (kernel - 1) * dilation), input at offset `padding`, grad_output at 0. Output position o meets
+// input position o + k * dilation - padding, stored at o + k * dilation: so each tap is one flat offset
+// for every position of every sample, and a position a tap reaches past a grad_output row's end (or
+// before its start, in grad_input) lands in the row's trailing zeros, the next (or previous) row's
+// zero border or sample's zero frames.
+struct PaddedGrid {
+  std::array<int64_t, 3> size{1, 1, 1};
+  int64_t pitch = 1;                 // positions per sample (one channel)
+  std::vector<int64_t> tap_offsets;  // flat, in the weight's tap order (depth major)
+  int64_t max_offset = 0;
+
+  explicit PaddedGrid(const DirectProblem& p) {
+    for (int i = 0; i < 3; ++i) {
+      size[i] = std::max(p.padding[i] + p.in[i], p.out[i] + (p.kernel[i] - 1) * p.dilation[i]);
+    }
+    pitch = size[0] * size[1] * size[2];
+    for (int64_t a = 0; a < p.kernel[0]; ++a) {
+      for (int64_t b = 0; b < p.kernel[1]; ++b) {
+        for (int64_t c = 0; c < p.kernel[2]; ++c) {
+          tap_offsets.push_back((a * p.dilation[0] * size[1] + b * p.dilation[1]) * size[2] + c * p.dilation[2]);
+        }
+      }
+    }
+    max_offset = *std::max_element(tap_offsets.begin(), tap_offsets.end());
+  }
+  int64_t flat(int64_t a, int64_t b, int64_t c) const {
+    return (a * size[1] + b) * size[2] + c;
+  }
+};
+
+// t (N, C, *dims) copied channel-major into the grid: (C, front + N * pitch), sample n's grid starting
+// at front + n * pitch, t's positions at grid offset `at`, zeros everywhere else.
+at::Tensor to_grid(const at::Tensor& t, const std::array<int64_t, 3>& dims, const std::array<int64_t, 3>& at,
+                   const PaddedGrid& g, int64_t front) {
+  const int64_t N = t.size(0), C = t.size(1);
+  at::Tensor buffer = workspace::empty({C, front + N * g.pitch}, t.options());
+  buffer.narrow(1, 0, front).zero_();
+  const at::Tensor grid = buffer.narrow(1, front, N * g.pitch).view({C, N, g.size[0], g.size[1], g.size[2]});
+  for (int i = 0; i < 3; ++i) {
+    grid.narrow(2 + i, 0, at[i]).zero_();
+    grid.narrow(2 + i, at[i] + dims[i], g.size[i] - at[i] - dims[i]).zero_();
+  }
+  grid.narrow(2, at[0], dims[0]).narrow(3, at[1], dims[1]).narrow(4, at[2], dims[2])
+      .copy_(t.flatten(2).view({N, C, dims[0], dims[1], dims[2]}).transpose(0, 1));
+  return buffer;
+}
+
+// Which way round kn2row_bf16's grad_weight GEMMs run, (C_out, C_in) = grad_output @ input^T or
+// (C_in, C_out) = input @ grad_output^T, per (C_out, C_in, K, thread count): measured, oneDNN's speed
+// differing by 2-4x between them and flipping with the thread count on one machine (R(2+1)D's 3x1x1
+// layer, K = 250,880: 26 against 20 ms one thread, 15 against 65 two; its 1x3x3 layer, K = 215,296: 8
+// against 15 one thread, 19 against 7.7 two). The first kSamples GEMMs of each key alternate the two
+// ways and are timed; later ones take the faster's.
+class GemmOrientation {
+ public:
+  bool next() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (timed_[0] + timed_[1] < 2 * kSamples) return timed_[1] < timed_[0];
+    return best_[1] < best_[0];
+  }
+  void record(bool transposed, double seconds) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (timed_[0] + timed_[1] >= 2 * kSamples) return;
+    ++timed_[transposed];
+    best_[transposed] = std::min(best_[transposed], seconds);
+  }
+
+ private:
+  static constexpr int kSamples = 2;
+  std::mutex mutex_;
+  int timed_[2] = {0, 0};
+  double best_[2] = {1e30, 1e30};
+};
+
+GemmOrientation& gemm_orientation(int64_t c_out, int64_t c_in, int64_t columns) {
+  static std::mutex mutex;
+  static std::map<std::array<int64_t, 4>, std::unique_ptr<GemmOrientation>> table;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& slot = table[{c_out, c_in, columns, static_cast<int64_t>(at::get_num_threads())}];
+  if (!slot) slot = std::make_unique<GemmOrientation>();
+  return *slot;
+}
+
+// Largest ratio of kn2row_bf16's grid positions to the input's: its two copies take about this many
+// times grad_output's and input's memory (a 3x3 layer padded 1 at 56x56: 1.07; R(2+1)D's 3x1x1 at 8
+// frames: 1.25; wav2vec2's positional convolution, 128 taps over 49 frames: 3.6).
+constexpr int64_t kMaxGridRatio = 4;
+
+// Grid positions per grad_input task of kn2row_bf16: the task's stacked grad_output block (taps *
 // C_out rows of this many bfloat16 values) takes about a quarter of the L2, at least kMinPartColumns.
 int64_t kn2row_bf16_columns(int64_t stacked_rows, int64_t positions) {
   const int64_t l2 = cache_bytes(2) > 0 ? cache_bytes(2) : int64_t{1} << 20;
@@ -601,82 +694,99 @@ int64_t kn2row_bf16_columns(int64_t stacked_rows, int64_t positions) {
   return std::min(columns, positions);
 }
 
-// gemm-kn2row in bfloat16, for one group (p.groups == 1; tensors as for kn2row_planes): the products on
-// the bfloat16 tensors by oneDNN's bfloat16 GEMMs (at::mm: AMX tiles or AVX512_BF16 dot products where
-// the CPU has them), each output element the result of a single GEMM that sums in float32 and rounds
-// once, as native's oneDNN convolution does (a GEMM per tap would round each tap's sum):
-//   grad_input: per (sample, block of its input positions), the taps' shifted grad_output rows stacked
-//     into one (taps * C_out, block) matrix (zeros where a tap meets no output position), then
-//     grad_input's block = weight as (C_in, taps * C_out) @ stacked: one GEMM over every tap;
-//   grad_weight: grad_output and input copied channel-major, (C, N, frames, inner), every sample
-//     padded to the same `frames` (grad_output's zeros after its own, input's zeros around it, the
-//     padding before): then tap k's products over every sample and position are one GEMM, input's
-//     columns shifted by k * dilation frames against grad_output's. A zero frame of grad_output meets a
-//     neighbouring frame of input there: zero where input is finite (run_kernel declines a non-finite
-//     grad_weight), as the stacked zeros of grad_input are where weight is (it declines a non-finite one).
-// R(2+1)D's 144 -> 64 3x1x1 layer (8 frames of 56x56, batch 8, one Sapphire Rapids thread): 0.6x the
-// time of the 2-D bfloat16 call fold-2d serves it by.
+// gemm-kn2row in bfloat16, for one group (p.groups == 1; stride 1, any padding and dilation; tensors as
+// for kn2row_planes): the products on the bfloat16 tensors by oneDNN's bfloat16 GEMMs (at::mm: AMX tiles
+// or AVX512_BF16 dot products where the CPU has them), each output element the result of a single GEMM
+// that sums in float32 and rounds once, as native's oneDNN convolution does (a GEMM per tap would
+// round each tap's sum). grad_output and input are copied channel-major into the PaddedGrid, where a
+// tap is one flat offset:
+//   grad_input: tasks of (sample, block of grid positions from its first input position to its last),
+//     each the taps' shifted grad_output rows stacked into one (taps * C_out, block) matrix (plain
+//     copies: the grid's zeros stand where a tap meets no output) and one GEMM, weight as (C_in,
+//     taps * C_out) @ stacked; the block's input positions go to grad_input;
+//   grad_weight: per tap, one GEMM over every sample and grid position: grad_output's columns against
+//     input's shifted by the tap's offset.
+// The zeros the grid puts against real values are exact unless those are not finite: run_kernel
+// declines a non-finite weight for grad_input and a non-finite grad_weight.
+// R(2+1)D's 144 -> 64 3x1x1 layer (8 frames of 56x56, batch 8, one Sapphire Rapids thread): 82 ms
+// against 183 of the 2-D bfloat16 call fold-2d serves it by.
 void kn2row_bf16(
     const DirectProblem& p, const at::Tensor& go, const at::Tensor& x, const at::Tensor& w, at::Tensor gi,
     at::Tensor gw) {
   TORCH_INTERNAL_ASSERT(p.groups == 1 && go.scalar_type() == at::kBFloat16);
-  const int d = kn2row_dim(p);
-  const int64_t taps = p.kernel[d], in_len = p.in[d], out_len = p.out[d], dil = p.dilation[d], pad = p.padding[d];
-  int64_t inner = 1;  // positions per index of dim d: the dims after it, 1x1 with stride 1
-  for (int i = d + 1; i < 3; ++i) inner *= p.in[i];
+  const PaddedGrid g(p);
   const int64_t N = p.batch, c_in = p.in_per_group, c_out = p.out_per_group;
-  const int64_t in_pos = in_len * inner, out_pos = out_len * inner;
-  const at::Tensor go3 = go.flatten(2);  // (N, C_out, out_pos), rows contiguous (a channel slice at most)
+  const int64_t taps = static_cast<int64_t>(g.tap_offsets.size());
+  const std::array<int64_t, 3> origin{0, 0, 0};
+  // grad_input reads up to max_offset positions before a sample's grid: as many zeros in front
+  const at::Tensor go_grid = to_grid(go, p.out, origin, g, gi.defined() ? g.max_offset : 0);
   if (gi.defined()) {
-    // weight as (C_in, taps * C_out): [ci][k][co]
+    // weight as (C_in, taps * C_out): [ci][tap][co]
     const at::Tensor w_st = w.view({c_out, c_in, taps}).permute({1, 2, 0}).reshape({c_in, taps * c_out});
-    const at::Tensor gi3 = gi.flatten(2);
-    const int64_t rows = taps * c_out, columns = kn2row_bf16_columns(rows, in_pos);
-    const int64_t blocks = (in_pos + columns - 1) / columns;
-    const auto* god = go.const_data_ptr<at::BFloat16>();
+    const int64_t first = g.flat(p.padding[0], p.padding[1], p.padding[2]);
+    const int64_t last = g.flat(p.padding[0] + p.in[0] - 1, p.padding[1] + p.in[1] - 1, p.padding[2] + p.in[2] - 1);
+    const int64_t span = last + 1 - first, rows = taps * c_out, columns = kn2row_bf16_columns(rows, span);
+    const int64_t blocks = (span + columns - 1) / columns;
+    const auto* god = go_grid.const_data_ptr<at::BFloat16>();
+    const int64_t go_row = go_grid.size(1), in_pos = p.in[0] * p.in[1] * p.in[2];
+    auto* gid = gi.mutable_data_ptr<at::BFloat16>();
     at::parallel_for(0, N * blocks, 1, [&](int64_t begin, int64_t end) {
       at::Tensor stacked = at::empty({rows, columns}, go.options());
+      at::Tensor result = at::empty({c_in, columns}, go.options());
       auto* sd = stacked.mutable_data_ptr<at::BFloat16>();
+      const auto* rd = result.const_data_ptr<at::BFloat16>();
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t n = t / blocks, p0 = t % blocks * columns, cols = std::min(columns, in_pos - p0);
+        const int64_t n = t / blocks, q0 = first + t % blocks * columns, cols = std::min(columns, last + 1 - q0);
+        const at::BFloat16* sample = god + g.max_offset + n * g.pitch;
         for (int64_t k = 0; k < taps; ++k) {
-          // input position q takes grad_output position q - shift (the forward's output o reads o + shift)
-          const int64_t shift = (k * dil - pad) * inner;
-          const int64_t q0 = std::clamp(shift, p0, p0 + cols), q1 = std::clamp(out_pos + shift, q0, p0 + cols);
           for (int64_t co = 0; co < c_out; ++co) {
-            at::BFloat16* row = sd + (k * c_out + co) * columns;
-            const at::BFloat16* src = god + n * go.stride(0) + co * go.stride(1);
-            std::memset(row, 0, (q0 - p0) * sizeof(at::BFloat16));
-            std::memcpy(row + (q0 - p0), src + (q0 - shift), (q1 - q0) * sizeof(at::BFloat16));
-            std::memset(row + (q1 - p0), 0, (p0 + cols - q1) * sizeof(at::BFloat16));
+            std::memcpy(sd + (k * c_out + co) * columns, sample + co * go_row + q0 - g.tap_offsets[k],
+                        cols * sizeof(at::BFloat16));
           }
         }
-        at::Tensor out = gi3[n].narrow(1, p0, cols);
+        at::Tensor out = result.narrow(1, 0, cols);
         at::mm_out(out, w_st, stacked.narrow(1, 0, cols));
+        // the block's input positions, grid row by grid row
+        at::BFloat16* gi_n = gid + n * gi.stride(0);
+        for (int64_t q = q0; q < q0 + cols;) {
+          const int64_t row = q / g.size[2], row_end = std::min(q0 + cols, (row + 1) * g.size[2]);
+          const int64_t a = row / g.size[1] - p.padding[0], b = row % g.size[1] - p.padding[1];
+          const int64_t c0 = std::max(q - row * g.size[2], p.padding[2]);
+          const int64_t c1 = std::min(row_end - row * g.size[2], p.padding[2] + p.in[2]);
+          if (a >= 0 && a < p.in[0] && b >= 0 && b < p.in[1] && c1 > c0) {
+            const int64_t to = (a * p.in[1] + b) * p.in[2] + c0 - p.padding[2], from = row * g.size[2] + c0 - q0;
+            for (int64_t ci = 0; ci < c_in; ++ci) {
+              std::memcpy(gi_n + ci * in_pos + to, rd + ci * columns + from, (c1 - c0) * sizeof(at::BFloat16));
+            }
+          }
+          q = row_end;
+        }
       }
     });
   }
   if (gw.defined()) {
-    const int64_t s_max = (taps - 1) * dil - pad;
-    const int64_t frames = std::max(pad + in_len, out_len + s_max + pad), pitch = frames * inner;
-    at::Tensor go_p = workspace::empty({c_out, N, pitch}, go.options());
-    go_p.narrow(2, 0, out_pos).copy_(go3.transpose(0, 1));
-    go_p.narrow(2, out_pos, pitch - out_pos).zero_();
-    at::Tensor x_p = workspace::empty({c_in, N, pitch}, go.options());
-    x_p.narrow(2, 0, pad * inner).zero_();
-    x_p.narrow(2, pad * inner, in_pos).copy_(x.flatten(2).transpose(0, 1));
-    x_p.narrow(2, (pad + in_len) * inner, pitch - (pad + in_len) * inner).zero_();
-    // every sample's columns but the last one's trailing zero frames
-    const int64_t columns = (N - 1) * pitch + out_pos;
-    const at::Tensor go_m = go_p.view({c_out, N * pitch}).narrow(1, 0, columns);
-    const at::Tensor x_m = x_p.view({c_in, N * pitch});
-    // grad_weight per tap. (C_out, C_in) = grad_output @ input^T: the product the other way round,
-    // (C_in, C_out), took 65 ms against 15 on two threads (R(2+1)D's layer above; 20 against 26 on one).
+    const at::Tensor x_grid = to_grid(x, p.in, p.padding, g, 0);
+    // every sample's grid but the last one's positions after its last grad_output position
+    const int64_t columns = (N - 1) * g.pitch + g.flat(p.out[0] - 1, p.out[1] - 1, p.out[2] - 1) + 1;
+    const at::Tensor go_m = go_grid.narrow(1, go_grid.size(1) - N * g.pitch, columns);
+    // grad_weight per tap: (C_out, C_in) = grad_output @ input^T, or its transpose input @ grad_output^T
+    // (the same products, summed in float32 in another order), one GEMM
+    // after the other on oneDNN's threads: GemmOrientation measures which way runs faster here.
+    // (Tasks of single-threaded GEMMs ran 3x slower on two threads than one after the other: these
+    // long-K GEMMs stream their operands.)
     at::Tensor acc = at::empty({taps, c_out, c_in}, go.options());
+    GemmOrientation& orientation = gemm_orientation(c_out, c_in, columns);
     for (int64_t k = 0; k < taps; ++k) {
-      // grad_output column (n, o) meets input column (n, o + k * dil - pad), stored pad frames later
-      at::Tensor acc_k = acc[k];
-      at::mm_out(acc_k, go_m, x_m.narrow(1, k * dil * inner, columns).t());
+      at::Tensor out = acc[k];
+      const at::Tensor x_k = x_grid.narrow(1, g.tap_offsets[k], columns);
+      const bool transposed = orientation.next();
+      const auto start = std::chrono::steady_clock::now();
+      if (transposed) {  // into a row-major (C_in, C_out) product: ATen would swap a transposed view back
+        out.copy_(at::mm(x_k, go_m.t()).t());
+      } else {
+        at::mm_out(out, go_m, x_k.t());
+      }
+      orientation.record(transposed, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
     gw.view({c_out, c_in, taps}).copy_(acc.permute({1, 2, 0}));
   }
@@ -707,6 +817,20 @@ bool kn2row_applies(const DirectProblem& p) {
   return wide == 1;
 }
 
+std::optional<std::string> kn2row_bf16_unsupported(const DirectProblem& p) {
+  for (int i = 0; i < 3; ++i) {
+    if (p.stride[i] != 1) return std::string("a stride > 1");
+  }
+  if (p.groups > 1 && !kn2row_applies(p)) return std::string("groups > 1 with taps in more than one dim");
+  const PaddedGrid g(p);
+  const int64_t positions = p.in[0] * p.in[1] * p.in[2];
+  if (g.pitch > kMaxGridRatio * positions) {
+    return c10::str("its zero-padded grid (", g.size[0], "x", g.size[1], "x", g.size[2], ") is over ", kMaxGridRatio,
+                    "x the input's positions");
+  }
+  return std::nullopt;
+}
+
 bool gemm_keeps_reduced_dtype(GemmAlgorithm algorithm, const DirectProblem& p, int64_t element_size) {
   // Each output is then one oneDNN GEMM, accumulated in float32 and rounded once.
   return algorithm == GemmAlgorithm::Im2col && p.groups == 1 && pointwise(p) &&
@@ -716,8 +840,9 @@ bool gemm_keeps_reduced_dtype(GemmAlgorithm algorithm, const DirectProblem& p, i
 void gemm_backward_cpu(
     GemmAlgorithm algorithm, const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight) {
-  TORCH_INTERNAL_ASSERT(algorithm == GemmAlgorithm::Im2col || kn2row_applies(p));
   const at::ScalarType dtype = grad_output.scalar_type();
+  TORCH_INTERNAL_ASSERT(algorithm == GemmAlgorithm::Im2col || kn2row_applies(p) ||
+                        (algorithm == GemmAlgorithm::Kn2row && dtype == at::kBFloat16 && !kn2row_bf16_unsupported(p)));
   // bfloat16 Kn2row: kn2row_bf16's oneDNN GEMMs, each rounding once
   const bool compute_in_dtype = !reduced(dtype) || gemm_keeps_reduced_dtype(algorithm, p, grad_output.element_size()) ||
       (algorithm == GemmAlgorithm::Kn2row && dtype == at::kBFloat16);
