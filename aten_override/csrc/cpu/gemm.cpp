@@ -821,7 +821,9 @@ std::optional<std::string> kn2row_bf16_unsupported(const DirectProblem& p) {
   for (int i = 0; i < 3; ++i) {
     if (p.stride[i] != 1) return std::string("a stride > 1");
   }
-  if (p.groups > 1 && !kn2row_applies(p)) return std::string("groups > 1 with taps in more than one dim");
+  if (p.groups > 1 && !kn2row_applies(p)) {
+    return std::string("groups > 1 where it takes only taps in one dim, no padding on the other dims and size 1 before it");
+  }
   const PaddedGrid g(p);
   const int64_t positions = p.in[0] * p.in[1] * p.in[2];
   if (g.pitch > kMaxGridRatio * positions) {

@@ -131,7 +131,8 @@ def test_declines_grad_weight_where_input_is_not_finite():
 def test_says_why_it_cannot_compute_a_call():
     ext = compiled.extension()
     for args, why in ((_call(8, 8, 1, 3, (12, 12), stride=2, padding=1, dtype=BF16), "a stride > 1"),
-                      (_call(8, 8, 2, 3, (12, 12), padding=1, dtype=BF16), "groups > 1 with taps in more than one dim"),
+                      (_call(8, 8, 2, 3, (12, 12), padding=1, dtype=BF16), "groups > 1 where it takes only taps in one dim"),
+                      (_call(4, 4, 2, (1, 3), (5, 7), padding=(1, 1), dtype=BF16), "groups > 1 where it takes only taps in one dim"),
                       (_call(4, 4, 1, 5, (10,), padding=16, dilation=4, dtype=BF16), r"its zero-padded grid \(1x1x42\) is over 4x")):
         with pytest.raises(ValueError, match=f"gemm-kn2row cannot compute this call: {why}"):
             ext.run_kernel("gemm-kn2row", *args)
