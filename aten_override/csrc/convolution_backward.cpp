@@ -142,9 +142,10 @@ constexpr LayerClassInfo kLayerClasses[] = {
      "1x1 stride-1 bfloat16 layers where the CPU has AVX512_BF16 (cpu/pointwise_bf16.cpp: the same plan with "
      "bfloat16 dot products; 0.5-0.8x native's oneDNN on few-channel layers, one thread, Zen 4), and kn2row-lanes "
      "on float32 / float64 layers of 1-D shape, any stride (cpu/kn2row.cpp), and gemm-kn2row on bfloat16 "
-     "stride-1 layers, groups 1 or taps in one dim (cpu/gemm.cpp: oneDNN's bfloat16 GEMMs on zero-padded "
-     "channel-major copies, each output rounded once; 0.22-0.58x native's oneDNN on ResNet-50's stride-1 1x1 "
-     "layers in its bfloat16 step, one thread; 1.5-1.9x on its 3x3 layers)"},
+     "layers, any stride, groups 1 or (stride 1) taps in one dim (cpu/gemm.cpp: oneDNN's bfloat16 GEMMs on "
+     "zero-padded channel-major copies, strided grad_input phase by phase, each output rounded once; "
+     "0.22-0.58x native's oneDNN on ResNet-50's stride-1 1x1 layers in its bfloat16 step, one thread; 0.42x "
+     "on wav2vec2's 512-channel stride-2 conv_layers.1; 1.5-1.9x on ResNet's 3x3 layers)"},
     {"transposed", "native", "transposed layers: no compiled kernel yet; native's oneDNN paths serve them (use native)"},
     {"bias-only", "sum",
      "output_mask asks for neither grad_input nor grad_weight: grad_bias is grad_output's sum over every dim but 1 "

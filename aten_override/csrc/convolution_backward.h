@@ -16,6 +16,13 @@ namespace aten_override {
 // /sys (and the CPU) have 32 MiB. Tile bounds of the kernels and the autotuner's cache flush use it.
 int64_t cache_bytes(int level);
 
+// cache_bytes(2), or 1 MiB where the machine does not say: the L2 the kernels size their chunks and
+// blocks by.
+inline int64_t l2_bytes() {
+  const int64_t bytes = cache_bytes(2);
+  return bytes > 0 ? bytes : int64_t{1} << 20;
+}
+
 // One non-transposed convolution, every spatial argument expanded to 3 dims (1-D and 2-D calls are
 // padded in front with size-1 dims: kernel 1, stride 1, padding 0, dilation 1).
 struct DirectProblem {
@@ -62,8 +69,8 @@ enum class GemmAlgorithm : int {
 bool kn2row_applies(const DirectProblem& p);
 
 // Why Kn2row cannot compute p in bfloat16 (nullopt: it can): there it runs on zero-padded copies (any
-// padding and dilation) and needs stride 1, groups == 1 or kn2row_applies(), and a padded grid of at
-// most a few times the input's positions.
+// stride, padding and dilation; strided grad_input phase by phase of the input's positions) and needs
+// groups == 1 or kn2row_applies(), and a padded grid of at most a few times grad_output's positions.
 std::optional<std::string> kn2row_bf16_unsupported(const DirectProblem& p);
 
 // Whether gemm_backward_cpu computes a float16 / bfloat16 problem in its own dtype, each output one

@@ -754,7 +754,7 @@ ATEN_OVERRIDE_INLINE void gemm_block(
 // grad_input product (1,600 x 512, k = 512: a 96 KiB block) at 100 in one pass, 83 in chunks of 64.
 template <typename V>
 ATEN_OVERRIDE_INLINE int64_t gemm_chunk(int64_t k) {
-  const int64_t l2 = cache_bytes(2) > 0 ? cache_bytes(2) : int64_t{1} << 20;
+  const int64_t l2 = l2_bytes();
   return k * Cols<V> * int64_t(sizeof(typename V::type)) > l2 / 2 ? kGemmBlock : k;
 }
 

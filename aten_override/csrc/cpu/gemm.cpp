@@ -21,7 +21,8 @@
 // atomics, and two runs give the same bits. float16 / bfloat16: the GEMMs run in float32 on float32
 // copies, except where each output can be the result of a single oneDNN GEMM (AMX) that accumulates in
 // float32 and rounds once, like native: pointwise layers whose batch fits one chunk, and bfloat16 Kn2row
-// (kn2row_bf16: the taps stacked into the GEMM's inner dim for grad_input, the samples for grad_weight).
+// (kn2row_bf16, any stride: the taps stacked into the GEMM's inner dim for grad_input, phase by phase
+// of the input's positions, the samples for grad_weight).
 #include "../convolution_backward.h"
 #include "fused.h"
 #include "workspace.h"
@@ -31,6 +32,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -597,44 +599,96 @@ void kn2row_planes(
   }
 }
 
-// The zero-padded grid kn2row_bf16's channel-major copies live in: per dim G = max(padding + in,
-// out + (kernel - 1) * dilation), input at offset `padding`, grad_output at 0. Output position o meets
-// input position o + k * dilation - padding, stored at o + k * dilation: so each tap is one flat offset
-// for every position of every sample, and a position a tap reaches past a grad_output row's end (or
-// before its start, in grad_input) lands in the row's trailing zeros, the next (or previous) row's
-// zero border or sample's zero frames.
+// The zero-padded grid kn2row_bf16's channel-major grad_output copy lives in, in grad_output's
+// coordinates (grad_output at 0, zeros after it in every dim), and how each input position's taps reach
+// it. Input position i = stride * j + r (per dim: phase r < stride, j < J) meets, through tap t,
+// output position o = j + e with e = (r + padding - t * dilation) / stride, for the taps where that
+// divides evenly: so within a phase every tap is one flat offset e for every position j of every
+// sample, and grad_input[phase] = sum over its taps of weight_tap^T @ grad_output shifted by e, with
+// the positions j laid out at the grid's pitch. Per dim the grid holds max(out, out - e_min, J + e_max)
+// positions: a position a tap reaches past a row's end lands in its trailing zeros, one before a row's
+// start in the previous row's trailing zeros (or the previous sample's zero frames, or the zeros in
+// front of the first sample). Stride 1 (one phase, e = padding - t * dilation) also takes the input at
+// `padding` in a grid of the same pitch, wide enough that output position o meets input position
+// o + t * dilation - padding at grid offset t * dilation: grad_weight per tap is then one GEMM on views.
 struct PaddedGrid {
+  struct Phase {
+    std::array<int64_t, 3> residue{0, 0, 0};  // r per dim
+    std::array<int64_t, 3> count{1, 1, 1};    // J per dim: input positions stride * j + r < in
+    std::vector<int64_t> taps;                // the weight's flat tap indices (depth major) meeting it
+    std::vector<int64_t> offsets;             // each one's flat offset e in the grid (may be negative)
+  };
   std::array<int64_t, 3> size{1, 1, 1};
   int64_t pitch = 1;                 // positions per sample (one channel)
-  std::vector<int64_t> tap_offsets;  // flat, in the weight's tap order (depth major)
-  int64_t max_offset = 0;
+  std::vector<Phase> phases;         // every residue vector, in order (one per stride product)
+  std::vector<int64_t> tap_offsets;  // stride 1: the input grid's flat offset t * dilation per tap
+  int64_t min_offset = 0, max_offset = 0;  // over the phases' offsets (and 0)
 
   explicit PaddedGrid(const DirectProblem& p) {
-    for (int i = 0; i < 3; ++i) {
-      size[i] = std::max(p.padding[i] + p.in[i], p.out[i] + (p.kernel[i] - 1) * p.dilation[i]);
+    const bool unit_stride = p.stride[0] == 1 && p.stride[1] == 1 && p.stride[2] == 1;
+    // per dim and residue: the taps meeting it and their e
+    std::array<std::vector<std::vector<std::pair<int64_t, int64_t>>>, 3> reach;
+    for (int d = 0; d < 3; ++d) {
+      const int64_t s = p.stride[d];
+      int64_t e_min = 0, e_max = 0, j_max = 0;
+      reach[d].resize(s);
+      for (int64_t r = 0; r < s; ++r) {
+        j_max = std::max(j_max, (p.in[d] - r + s - 1) / s);
+        for (int64_t t = 0; t < p.kernel[d]; ++t) {
+          const int64_t num = r + p.padding[d] - t * p.dilation[d];
+          if (((num % s) + s) % s != 0) continue;
+          reach[d][r].emplace_back(t, num / s);
+          e_min = std::min(e_min, num / s);
+          e_max = std::max(e_max, num / s);
+        }
+      }
+      size[d] = std::max({p.out[d], p.out[d] - e_min, j_max + e_max});
+      if (unit_stride) size[d] = std::max({size[d], p.padding[d] + p.in[d], p.out[d] + (p.kernel[d] - 1) * p.dilation[d]});
     }
     pitch = size[0] * size[1] * size[2];
-    for (int64_t a = 0; a < p.kernel[0]; ++a) {
-      for (int64_t b = 0; b < p.kernel[1]; ++b) {
-        for (int64_t c = 0; c < p.kernel[2]; ++c) {
-          tap_offsets.push_back((a * p.dilation[0] * size[1] + b * p.dilation[1]) * size[2] + c * p.dilation[2]);
+    for (int64_t r0 = 0; r0 < p.stride[0]; ++r0) {
+      for (int64_t r1 = 0; r1 < p.stride[1]; ++r1) {
+        for (int64_t r2 = 0; r2 < p.stride[2]; ++r2) {
+          Phase phase;
+          phase.residue = {r0, r1, r2};
+          for (int d = 0; d < 3; ++d) phase.count[d] = (p.in[d] - phase.residue[d] + p.stride[d] - 1) / p.stride[d];
+          for (const auto& [a, ea] : reach[0][r0]) {
+            for (const auto& [b, eb] : reach[1][r1]) {
+              for (const auto& [c, ec] : reach[2][r2]) {
+                phase.taps.push_back((a * p.kernel[1] + b) * p.kernel[2] + c);
+                phase.offsets.push_back(flat(ea, eb, ec));
+                min_offset = std::min(min_offset, phase.offsets.back());
+                max_offset = std::max(max_offset, phase.offsets.back());
+              }
+            }
+          }
+          phases.push_back(std::move(phase));
         }
       }
     }
-    max_offset = *std::max_element(tap_offsets.begin(), tap_offsets.end());
+    if (unit_stride) {
+      for (int64_t a = 0; a < p.kernel[0]; ++a) {
+        for (int64_t b = 0; b < p.kernel[1]; ++b) {
+          for (int64_t c = 0; c < p.kernel[2]; ++c) {
+            tap_offsets.push_back(flat(a * p.dilation[0], b * p.dilation[1], c * p.dilation[2]));
+          }
+        }
+      }
+    }
   }
   int64_t flat(int64_t a, int64_t b, int64_t c) const {
     return (a * size[1] + b) * size[2] + c;
   }
 };
 
-// t (N, C, *dims) copied channel-major into the grid: (C, front + N * pitch), sample n's grid starting
-// at front + n * pitch, t's positions at grid offset `at`, zeros everywhere else.
+// t (N, C, *dims) copied channel-major into the grid: (C, front + N * pitch + back), sample n's grid
+// starting at front + n * pitch, t's positions at grid offset `at`, zeros everywhere else.
 at::Tensor to_grid(const at::Tensor& t, const std::array<int64_t, 3>& dims, const std::array<int64_t, 3>& at,
-                   const PaddedGrid& g, int64_t front) {
+                   const PaddedGrid& g, int64_t front, int64_t back) {
   const int64_t N = t.size(0), C = t.size(1);
-  at::Tensor buffer = workspace::empty({C, front + N * g.pitch}, t.options());
+  at::Tensor buffer = workspace::empty({C, front + N * g.pitch + back}, t.options());
   buffer.narrow(1, 0, front).zero_();
+  buffer.narrow(1, front + N * g.pitch, back).zero_();
   const at::Tensor grid = buffer.narrow(1, front, N * g.pitch).view({C, N, g.size[0], g.size[1], g.size[2]});
   for (int i = 0; i < 3; ++i) {
     grid.narrow(2 + i, 0, at[i]).zero_();
@@ -650,24 +704,27 @@ at::Tensor to_grid(const at::Tensor& t, const std::array<int64_t, 3>& dims, cons
 // differing by 2-4x between them and flipping with the thread count on one machine (R(2+1)D's 3x1x1
 // layer, K = 250,880: 26 against 20 ms one thread, 15 against 65 two; its 1x3x3 layer, K = 215,296: 8
 // against 15 one thread, 19 against 7.7 two). The first kSamples GEMMs of each key alternate the two
-// ways and are timed; later ones take the faster's.
+// ways and are timed; later ones take the faster's, read without a lock once decided.
 class GemmOrientation {
  public:
   bool next() {
+    const int decided = decided_.load(std::memory_order_acquire);
+    if (decided >= 0) return decided == 1;
     std::lock_guard<std::mutex> lock(mutex_);
-    if (timed_[0] + timed_[1] < 2 * kSamples) return timed_[1] < timed_[0];
-    return best_[1] < best_[0];
+    return timed_[1] < timed_[0];
   }
   void record(bool transposed, double seconds) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (timed_[0] + timed_[1] >= 2 * kSamples) return;
+    if (decided_.load(std::memory_order_relaxed) >= 0) return;
     ++timed_[transposed];
     best_[transposed] = std::min(best_[transposed], seconds);
+    if (timed_[0] >= kSamples && timed_[1] >= kSamples) decided_.store(best_[1] < best_[0], std::memory_order_release);
   }
 
  private:
   static constexpr int kSamples = 2;
   std::mutex mutex_;
+  std::atomic<int> decided_{-1};  // -1 while sampling, then 1: transposed, 0: not
   int timed_[2] = {0, 0};
   double best_[2] = {1e30, 1e30};
 };
@@ -681,31 +738,33 @@ GemmOrientation& gemm_orientation(int64_t c_out, int64_t c_in, int64_t columns) 
   return *slot;
 }
 
-// Largest ratio of kn2row_bf16's grid positions to the input's: its two copies take about this many
-// times grad_output's and input's memory (a 3x3 layer padded 1 at 56x56: 1.07; R(2+1)D's 3x1x1 at 8
-// frames: 1.25; wav2vec2's positional convolution, 128 taps over 49 frames: 3.6).
+// Largest ratio of kn2row_bf16's grid positions to the larger of grad_output's positions and a phase's
+// input positions: its copies take about this many times grad_output's and input's memory (a 3x3 layer
+// padded 1 at 56x56: 1.07; R(2+1)D's 3x1x1 at 8 frames: 1.25; wav2vec2's positional convolution, 128
+// taps over 49 frames: 3.6).
 constexpr int64_t kMaxGridRatio = 4;
 
 // Grid positions per grad_input task of kn2row_bf16: the task's stacked grad_output block (taps *
 // C_out rows of this many bfloat16 values) takes about a quarter of the L2, at least kMinPartColumns.
 int64_t kn2row_bf16_columns(int64_t stacked_rows, int64_t positions) {
-  const int64_t l2 = cache_bytes(2) > 0 ? cache_bytes(2) : int64_t{1} << 20;
-  const int64_t columns = std::max<int64_t>(kMinPartColumns, l2 / 4 / (2 * stacked_rows) / 64 * 64);
+  const int64_t columns = std::max<int64_t>(kMinPartColumns, l2_bytes() / 4 / (2 * stacked_rows) / 64 * 64);
   return std::min(columns, positions);
 }
 
-// gemm-kn2row in bfloat16, for one group (p.groups == 1; stride 1, any padding and dilation; tensors as
+// gemm-kn2row in bfloat16, for one group (p.groups == 1; any stride, padding and dilation; tensors as
 // for kn2row_planes): the products on the bfloat16 tensors by oneDNN's bfloat16 GEMMs (at::mm: AMX tiles
 // or AVX512_BF16 dot products where the CPU has them), each output element the result of a single GEMM
 // that sums in float32 and rounds once, as native's oneDNN convolution does (a GEMM per tap would
-// round each tap's sum). grad_output and input are copied channel-major into the PaddedGrid, where a
-// tap is one flat offset:
-//   grad_input: tasks of (sample, block of grid positions from its first input position to its last),
-//     each the taps' shifted grad_output rows stacked into one (taps * C_out, block) matrix (plain
-//     copies: the grid's zeros stand where a tap meets no output) and one GEMM, weight as (C_in,
-//     taps * C_out) @ stacked; the block's input positions go to grad_input;
+// round each tap's sum). grad_output is copied channel-major into the PaddedGrid, where within a phase
+// of the input's positions a tap is one flat offset:
+//   grad_input: tasks of (phase, sample, block of grid positions from its first position j to its
+//     last), each the phase's taps' shifted grad_output rows stacked into one (taps * C_out, block)
+//     matrix (plain copies: the grid's zeros stand where a tap meets no output) and one GEMM, weight as
+//     (C_in, taps * C_out) @ stacked; the block's positions j go to grad_input at stride * j + r. A
+//     phase no tap meets (a stride over the kernel's reach) is zero;
 //   grad_weight: per tap, one GEMM over every sample and grid position: grad_output's columns against
-//     input's shifted by the tap's offset.
+//     the input's there: at stride 1 a view of the input's grid shifted by the tap's offset, else the
+//     input's positions o * stride + t * dilation - padding gathered into the grid's layout.
 // The zeros the grid puts against real values are exact unless those are not finite: run_kernel
 // declines a non-finite weight for grad_input and a non-finite grad_weight.
 // R(2+1)D's 144 -> 64 3x1x1 layer (8 frames of 56x56, batch 8, one Sapphire Rapids thread): 82 ms
@@ -716,47 +775,87 @@ void kn2row_bf16(
   TORCH_INTERNAL_ASSERT(p.groups == 1 && go.scalar_type() == at::kBFloat16);
   const PaddedGrid g(p);
   const int64_t N = p.batch, c_in = p.in_per_group, c_out = p.out_per_group;
-  const int64_t taps = static_cast<int64_t>(g.tap_offsets.size());
+  const int64_t taps = p.kernel[0] * p.kernel[1] * p.kernel[2];
   const std::array<int64_t, 3> origin{0, 0, 0};
-  // grad_input reads up to max_offset positions before a sample's grid: as many zeros in front
-  const at::Tensor go_grid = to_grid(go, p.out, origin, g, gi.defined() ? g.max_offset : 0);
+  // grad_input reads up to -min_offset positions before a sample's grid and max_offset past it
+  const int64_t front = gi.defined() ? -g.min_offset : 0, back = gi.defined() ? g.max_offset : 0;
+  const at::Tensor go_grid = to_grid(go, p.out, origin, g, front, back);
   if (gi.defined()) {
-    // weight as (C_in, taps * C_out): [ci][tap][co]
-    const at::Tensor w_st = w.view({c_out, c_in, taps}).permute({1, 2, 0}).reshape({c_in, taps * c_out});
-    const int64_t first = g.flat(p.padding[0], p.padding[1], p.padding[2]);
-    const int64_t last = g.flat(p.padding[0] + p.in[0] - 1, p.padding[1] + p.in[1] - 1, p.padding[2] + p.in[2] - 1);
-    const int64_t span = last + 1 - first, rows = taps * c_out, columns = kn2row_bf16_columns(rows, span);
-    const int64_t blocks = (span + columns - 1) / columns;
+    // the tasks: (phase, sample, block) in phase order
+    struct PhasePlan {
+      at::Tensor w_st;  // weight as (C_in, taps * C_out): [ci][tap][co], the phase's taps
+      int64_t last = 0, columns = 0, blocks = 0, first_task = 0;
+    };
+    std::vector<PhasePlan> plans(g.phases.size());
+    int64_t tasks = 0, buffer_rows = 0, buffer_columns = 0;
+    const at::Tensor w_taps = w.view({c_out, c_in, taps});
+    for (size_t i = 0; i < g.phases.size(); ++i) {
+      const auto& phase = g.phases[i];
+      PhasePlan& plan = plans[i];
+      plan.first_task = tasks;
+      if (phase.count[0] * phase.count[1] * phase.count[2] == 0) continue;
+      if (phase.taps.empty()) {  // no tap meets these input positions: their gradient is zero
+        at::Tensor view = gi.view({N, c_in, p.in[0], p.in[1], p.in[2]});
+        for (int d = 0; d < 3; ++d) view = view.slice(2 + d, phase.residue[d], p.in[d], p.stride[d]);
+        view.zero_();
+        continue;
+      }
+      const int64_t phase_taps = static_cast<int64_t>(phase.taps.size()), rows = phase_taps * c_out;
+      const at::Tensor index = at::tensor(phase.taps, at::TensorOptions().dtype(at::kLong));
+      plan.w_st = w_taps.index_select(2, index).permute({1, 2, 0}).reshape({c_in, rows});
+      plan.last = g.flat(phase.count[0] - 1, phase.count[1] - 1, phase.count[2] - 1);
+      plan.columns = kn2row_bf16_columns(rows, plan.last + 1);
+      plan.blocks = (plan.last + plan.columns) / plan.columns;
+      tasks += N * plan.blocks;
+      buffer_rows = std::max(buffer_rows, rows);
+      buffer_columns = std::max(buffer_columns, plan.columns);
+    }
     const auto* god = go_grid.const_data_ptr<at::BFloat16>();
     const int64_t go_row = go_grid.size(1), in_pos = p.in[0] * p.in[1] * p.in[2];
     auto* gid = gi.mutable_data_ptr<at::BFloat16>();
-    at::parallel_for(0, N * blocks, 1, [&](int64_t begin, int64_t end) {
-      at::Tensor stacked = at::empty({rows, columns}, go.options());
-      at::Tensor result = at::empty({c_in, columns}, go.options());
-      auto* sd = stacked.mutable_data_ptr<at::BFloat16>();
-      const auto* rd = result.const_data_ptr<at::BFloat16>();
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      const at::Tensor stacked_buffer = at::empty({buffer_rows * buffer_columns}, go.options());
+      const at::Tensor result_buffer = at::empty({c_in * buffer_columns}, go.options());
+      auto* sd = stacked_buffer.mutable_data_ptr<at::BFloat16>();
+      size_t ph = 0;
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t n = t / blocks, q0 = first + t % blocks * columns, cols = std::min(columns, last + 1 - q0);
-        const at::BFloat16* sample = god + g.max_offset + n * g.pitch;
-        for (int64_t k = 0; k < taps; ++k) {
+        while (ph + 1 < plans.size() && t >= plans[ph + 1].first_task) ++ph;
+        const auto& phase = g.phases[ph];
+        const PhasePlan& plan = plans[ph];
+        const int64_t local = t - plan.first_task, columns = plan.columns;
+        const int64_t n = local / plan.blocks, q0 = local % plan.blocks * columns;
+        const int64_t cols = std::min(columns, plan.last + 1 - q0);
+        const int64_t phase_taps = static_cast<int64_t>(phase.taps.size()), rows = phase_taps * c_out;
+        const at::BFloat16* sample = god + front + n * g.pitch;
+        for (int64_t k = 0; k < phase_taps; ++k) {
           for (int64_t co = 0; co < c_out; ++co) {
-            std::memcpy(sd + (k * c_out + co) * columns, sample + co * go_row + q0 - g.tap_offsets[k],
+            std::memcpy(sd + (k * c_out + co) * columns, sample + co * go_row + q0 + phase.offsets[k],
                         cols * sizeof(at::BFloat16));
           }
         }
+        const at::Tensor stacked = stacked_buffer.narrow(0, 0, rows * columns).view({rows, columns});
+        const at::Tensor result = result_buffer.narrow(0, 0, c_in * columns).view({c_in, columns});
         at::Tensor out = result.narrow(1, 0, cols);
-        at::mm_out(out, w_st, stacked.narrow(1, 0, cols));
-        // the block's input positions, grid row by grid row
+        at::mm_out(out, plan.w_st, stacked.narrow(1, 0, cols));
+        const auto* rd = result.const_data_ptr<at::BFloat16>();
+        // the block's positions j, grid row by grid row, to input positions stride * j + r
         at::BFloat16* gi_n = gid + n * gi.stride(0);
         for (int64_t q = q0; q < q0 + cols;) {
           const int64_t row = q / g.size[2], row_end = std::min(q0 + cols, (row + 1) * g.size[2]);
-          const int64_t a = row / g.size[1] - p.padding[0], b = row % g.size[1] - p.padding[1];
-          const int64_t c0 = std::max(q - row * g.size[2], p.padding[2]);
-          const int64_t c1 = std::min(row_end - row * g.size[2], p.padding[2] + p.in[2]);
-          if (a >= 0 && a < p.in[0] && b >= 0 && b < p.in[1] && c1 > c0) {
-            const int64_t to = (a * p.in[1] + b) * p.in[2] + c0 - p.padding[2], from = row * g.size[2] + c0 - q0;
+          const int64_t a = row / g.size[1], b = row % g.size[1];
+          const int64_t c0 = q - row * g.size[2], c1 = std::min(row_end - row * g.size[2], phase.count[2]);
+          if (a < phase.count[0] && b < phase.count[1] && c1 > c0) {
+            const int64_t to = ((p.stride[0] * a + phase.residue[0]) * p.in[1] + p.stride[1] * b + phase.residue[1]) *
+                    p.in[2] + p.stride[2] * c0 + phase.residue[2];
+            const int64_t from = q - q0, s2 = p.stride[2];
             for (int64_t ci = 0; ci < c_in; ++ci) {
-              std::memcpy(gi_n + ci * in_pos + to, rd + ci * columns + from, (c1 - c0) * sizeof(at::BFloat16));
+              const at::BFloat16* src = rd + ci * columns + from;
+              at::BFloat16* dst = gi_n + ci * in_pos + to;
+              if (s2 == 1) {
+                std::memcpy(dst, src, (c1 - c0) * sizeof(at::BFloat16));
+              } else {
+                for (int64_t c = 0; c < c1 - c0; ++c) dst[c * s2] = src[c];
+              }
             }
           }
           q = row_end;
@@ -765,10 +864,22 @@ void kn2row_bf16(
     });
   }
   if (gw.defined()) {
-    const at::Tensor x_grid = to_grid(x, p.in, p.padding, g, 0);
     // every sample's grid but the last one's positions after its last grad_output position
     const int64_t columns = (N - 1) * g.pitch + g.flat(p.out[0] - 1, p.out[1] - 1, p.out[2] - 1) + 1;
-    const at::Tensor go_m = go_grid.narrow(1, go_grid.size(1) - N * g.pitch, columns);
+    const at::Tensor go_m = go_grid.narrow(1, front, columns);
+    // stride 1: the input in the grid at `padding`, tap k's columns a view at its offset; else each
+    // tap's input positions gathered into the grid's layout (zeros elsewhere, against grad_output's)
+    const bool unit_stride = !g.tap_offsets.empty();
+    at::Tensor x_grid, gathered, x_padded;
+    if (unit_stride) {
+      x_grid = to_grid(x, p.in, p.padding, g, 0, 0);
+    } else {
+      gathered = workspace::zeros({c_in, N * g.pitch}, x.options());
+      x_padded = x.view({N, c_in, p.in[0], p.in[1], p.in[2]});
+      if (p.padding[0] || p.padding[1] || p.padding[2]) {
+        x_padded = at::constant_pad_nd(x_padded, {p.padding[2], p.padding[2], p.padding[1], p.padding[1], p.padding[0], p.padding[0]});
+      }
+    }
     // grad_weight per tap: (C_out, C_in) = grad_output @ input^T, or its transpose input @ grad_output^T
     // (the same products, summed in float32 in another order), one GEMM
     // after the other on oneDNN's threads: GemmOrientation measures which way runs faster here.
@@ -778,7 +889,21 @@ void kn2row_bf16(
     GemmOrientation& orientation = gemm_orientation(c_out, c_in, columns);
     for (int64_t k = 0; k < taps; ++k) {
       at::Tensor out = acc[k];
-      const at::Tensor x_k = x_grid.narrow(1, g.tap_offsets[k], columns);
+      at::Tensor x_k;
+      if (unit_stride) {
+        x_k = x_grid.narrow(1, g.tap_offsets[k], columns);
+      } else {
+        const int64_t tap[3] = {k / (p.kernel[1] * p.kernel[2]), k / p.kernel[2] % p.kernel[1], k % p.kernel[2]};
+        at::Tensor from = x_padded;
+        for (int d = 0; d < 3; ++d) {
+          const int64_t start = tap[d] * p.dilation[d];
+          from = from.slice(2 + d, start, start + (p.out[d] - 1) * p.stride[d] + 1, p.stride[d]);
+        }
+        gathered.view({c_in, N, g.size[0], g.size[1], g.size[2]})
+            .narrow(2, 0, p.out[0]).narrow(3, 0, p.out[1]).narrow(4, 0, p.out[2])
+            .copy_(from.transpose(0, 1));
+        x_k = gathered.narrow(1, 0, columns);
+      }
       const bool transposed = orientation.next();
       const auto start = std::chrono::steady_clock::now();
       if (transposed) {  // into a row-major (C_in, C_out) product: ATen would swap a transposed view back
@@ -818,17 +943,16 @@ bool kn2row_applies(const DirectProblem& p) {
 }
 
 std::optional<std::string> kn2row_bf16_unsupported(const DirectProblem& p) {
-  for (int i = 0; i < 3; ++i) {
-    if (p.stride[i] != 1) return std::string("a stride > 1");
-  }
   if (p.groups > 1 && !kn2row_applies(p)) {
-    return std::string("groups > 1 where it takes only taps in one dim, no padding on the other dims and size 1 before it");
+    return std::string(
+        "groups > 1 where it takes only stride 1, taps in one dim, no padding on the other dims and size 1 before it");
   }
   const PaddedGrid g(p);
-  const int64_t positions = p.in[0] * p.in[1] * p.in[2];
+  int64_t positions = p.out[0] * p.out[1] * p.out[2];
+  for (const auto& phase : g.phases) positions = std::max(positions, phase.count[0] * phase.count[1] * phase.count[2]);
   if (g.pitch > kMaxGridRatio * positions) {
     return c10::str("its zero-padded grid (", g.size[0], "x", g.size[1], "x", g.size[2], ") is over ", kMaxGridRatio,
-                    "x the input's positions");
+                    "x grad_output's positions");
   }
   return std::nullopt;
 }

@@ -239,7 +239,7 @@ template <typename acc_t>
 int64_t chunk_positions(const DirectProblem& p, int64_t plane, bool wide, bool gi) {
   constexpr int64_t element_size = sizeof(acc_t);
   const int64_t step = fused::cols_of<acc_t>(wide) * Vec<acc_t>::size;
-  const int64_t l2 = cache_bytes(2) > 0 ? cache_bytes(2) : int64_t{1} << 20;
+  const int64_t l2 = l2_bytes();
   const int64_t n = l2 / (gi ? 4 : 2) / ((p.in_per_group + p.out_per_group) * element_size) / step * step;
   return std::min(plane, std::max(step, n));
 }

@@ -318,7 +318,7 @@ bool use_hardware() {
 // Positions per chunk: grad_output and input rows and their pair copies within half the L2, a whole
 // number of grad_input micro-kernels (so an even number), at least one, at most the plane.
 int64_t chunk_positions(const DirectProblem& p, int64_t plane) {
-  const int64_t l2 = cache_bytes(2) > 0 ? cache_bytes(2) : int64_t{1} << 20;
+  const int64_t l2 = l2_bytes();
   const int64_t n = l2 / 2 / (2 * (p.in_per_group + p.out_per_group) * int64_t(sizeof(BF16))) / kStep * kStep;
   return std::min(plane, std::max(kStep, n));
 }

@@ -47,7 +47,8 @@ def _call(c_in, c_out, groups, kernel, spatial, *, stride=1, padding=0, dilation
         fmt = torch.channels_last if dims == 2 else torch.channels_last_3d
         x, go = x.contiguous(memory_format=fmt), go.contiguous(memory_format=fmt)
     padding = list(padding) if isinstance(padding, tuple) else [padding] * dims
-    return (go, x, w, [c_out], [stride] * dims, padding, dilation, False, [0] * dims, groups, list(mask))
+    stride = list(stride) if isinstance(stride, tuple) else [stride] * dims
+    return (go, x, w, [c_out], stride, padding, dilation, False, [0] * dims, groups, list(mask))
 
 
 def _calls():
