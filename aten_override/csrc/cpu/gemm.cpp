@@ -703,30 +703,36 @@ at::Tensor to_grid(const at::Tensor& t, const std::array<int64_t, 3>& dims, cons
 // (C_in, C_out) = input @ grad_output^T, per (C_out, C_in, K, thread count): measured, oneDNN's speed
 // differing by 2-4x between them and flipping with the thread count on one machine (R(2+1)D's 3x1x1
 // layer, K = 250,880: 26 against 20 ms one thread, 15 against 65 two; its 1x3x3 layer, K = 215,296: 8
-// against 15 one thread, 19 against 7.7 two). The first kSamples GEMMs of each key alternate the two
-// ways and are timed; later ones take the faster's, read without a lock once decided.
+// against 15 one thread, 19 against 7.7 two). The first call of a key times kSamples products each way
+// on its first tap's operands into a scratch matrix, then every call (that one included) takes the
+// faster way, read without a lock: the two ways sum in different orders, so a call's bits must not
+// depend on which call of the process it is (measured on the real outputs, the first calls alternated).
 class GemmOrientation {
  public:
-  bool next() {
+  // Whether to run transposed; `product(transposed)` computes one way into scratch (the first call only).
+  template <typename F>
+  bool choose(F&& product) {
     const int decided = decided_.load(std::memory_order_acquire);
     if (decided >= 0) return decided == 1;
     std::lock_guard<std::mutex> lock(mutex_);
-    return timed_[1] < timed_[0];
-  }
-  void record(bool transposed, double seconds) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (decided_.load(std::memory_order_relaxed) >= 0) return;
-    ++timed_[transposed];
-    best_[transposed] = std::min(best_[transposed], seconds);
-    if (timed_[0] >= kSamples && timed_[1] >= kSamples) decided_.store(best_[1] < best_[0], std::memory_order_release);
+    if (decided_.load(std::memory_order_relaxed) < 0) {
+      double best[2] = {1e30, 1e30};
+      for (int i = 0; i < 2 * kSamples; ++i) {
+        const bool transposed = i % 2 == 1;
+        const auto start = std::chrono::steady_clock::now();
+        product(transposed);
+        best[transposed] =
+            std::min(best[transposed], std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
+      decided_.store(best[1] < best[0], std::memory_order_release);
+    }
+    return decided_.load(std::memory_order_relaxed) == 1;
   }
 
  private:
   static constexpr int kSamples = 2;
   std::mutex mutex_;
-  std::atomic<int> decided_{-1};  // -1 while sampling, then 1: transposed, 0: not
-  int timed_[2] = {0, 0};
-  double best_[2] = {1e30, 1e30};
+  std::atomic<int> decided_{-1};  // -1 until measured, then 1: transposed, 0: not
 };
 
 GemmOrientation& gemm_orientation(int64_t c_out, int64_t c_in, int64_t columns) {
@@ -886,9 +892,16 @@ void kn2row_bf16(
     // (Tasks of single-threaded GEMMs ran 3x slower on two threads than one after the other: these
     // long-K GEMMs stream their operands.)
     at::Tensor acc = at::empty({taps, c_out, c_in}, go.options());
+    const auto product = [&](bool transposed, const at::Tensor& x_k, at::Tensor out) {
+      if (transposed) {  // into a row-major (C_in, C_out) product: ATen would swap a transposed view back
+        out.copy_(at::mm(x_k, go_m.t()).t());
+      } else {
+        at::mm_out(out, go_m, x_k.t());
+      }
+    };
     GemmOrientation& orientation = gemm_orientation(c_out, c_in, columns);
+    bool transposed = false;
     for (int64_t k = 0; k < taps; ++k) {
-      at::Tensor out = acc[k];
       at::Tensor x_k;
       if (unit_stride) {
         x_k = x_grid.narrow(1, g.tap_offsets[k], columns);
@@ -904,14 +917,11 @@ void kn2row_bf16(
             .copy_(from.transpose(0, 1));
         x_k = gathered.narrow(1, 0, columns);
       }
-      const bool transposed = orientation.next();
-      const auto start = std::chrono::steady_clock::now();
-      if (transposed) {  // into a row-major (C_in, C_out) product: ATen would swap a transposed view back
-        out.copy_(at::mm(x_k, go_m.t()).t());
-      } else {
-        at::mm_out(out, go_m, x_k.t());
+      if (k == 0) {
+        const at::Tensor scratch = at::empty({c_out, c_in}, go.options());
+        transposed = orientation.choose([&](bool t) { product(t, x_k, scratch); });
       }
-      orientation.record(transposed, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      product(transposed, x_k, acc[k]);
     }
     gw.view({c_out, c_in, taps}).copy_(acc.permute({1, 2, 0}));
   }
