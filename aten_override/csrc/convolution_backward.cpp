@@ -1758,6 +1758,12 @@ constexpr double kWinMargin = 0.97;
 // candidate and kRounds - 1 of native and of the close ones.
 constexpr int kRounds = 3;
 constexpr double kSlowCutoff = 2.0;
+// A call whose fastest run (after the first round) takes this long is decided on those two runs of
+// each candidate and one round per gradient for a split: a VM's disturbances (a page-fault storm, a
+// neighbour's burst) cost a few ms, a small part of such a run, and the extra rounds made most of the
+// tuning time: R(2+1)D-18's first bfloat16 step took 67 s (native's: 7.7), its layers' calls 30-600 ms
+// each.
+constexpr double kLongCallUs = 20000;
 
 // Tuning times a call's kernels on the call's own tensors, over and over; in a training step the
 // call's tensors arrive from memory, its caches full of other layers' data. Where the tensors would
@@ -1833,12 +1839,12 @@ class CacheFlush {
 };
 
 // A call asking for both gradients: each still-alive candidate is timed on grad_input alone (with
-// grad_bias) and on grad_weight alone, twice each, interleaved; when the fastest grad_input kernel and
+// grad_bias) and on grad_weight alone, `rounds` times each (2, or 1 for a long call), interleaved; when the fastest grad_input kernel and
 // the fastest grad_weight kernel differ and together beat `best` (the whole-call winner's fastest run,
 // or native's less kWinMargin), the split wins. Each part is checked against native's result.
 void tune_split(
     const Args& a, const Expanded& e, const std::vector<Kernel>& candidates, const std::vector<bool>& alive,
-    Verifier& verify, double best, CacheFlush& flush, Tuned& out) {
+    Verifier& verify, double best, int rounds, CacheFlush& flush, Tuned& out) {
   const Mask parts[2] = {grad_input_part(a.output_mask), grad_weight_part(a.output_mask)};
   const char* labels[2] = {"grad_input:", "grad_weight:"};
   size_t alive_count = 0;
@@ -1846,7 +1852,7 @@ void tune_split(
   if (alive_count < 2) return;
   std::vector<double> fastest[2] = {std::vector<double>(candidates.size(), INFINITY),
                                     std::vector<double>(candidates.size(), INFINITY)};
-  for (int round = 0; round < 2; ++round) {
+  for (int round = 0; round < rounds; ++round) {
     for (size_t j = 0; j < candidates.size(); ++j) {
       const size_t i = round % 2 ? candidates.size() - 1 - j : j;
       if (!alive[i]) continue;
@@ -1957,7 +1963,8 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
           kernel_name(candidates[i]), c10::str("slow: ", fastest_run(i), " us vs ", fastest, " us (fastest runs)"));
     }
   }
-  for (int round = 1; round < kRounds; ++round) timed_round(round);
+  const bool long_call = fastest >= kLongCallUs;
+  for (int round = 1; round < (long_call ? 1 : kRounds); ++round) timed_round(round);
   // Native (base) wins unless a candidate beats it by kWinMargin.
   out.choice = Choice::whole(base);
   double best = fastest_run(0) * kWinMargin;
@@ -1970,7 +1977,7 @@ Tuned tune(const Args& a, const Expanded& e, Kernel static_choice) {
       out.choice = Choice::whole(candidates[i]);
     }
   }
-  if (a.output_mask[0] && a.output_mask[1]) tune_split(a, e, candidates, alive, verify, best, flush, out);
+  if (a.output_mask[0] && a.output_mask[1]) tune_split(a, e, candidates, alive, verify, best, long_call ? 1 : 2, flush, out);
   out.tune_us = elapsed_us(start);
   return out;
 }
