@@ -750,6 +750,10 @@ GemmOrientation& gemm_orientation(int64_t c_out, int64_t c_in, int64_t columns) 
 // taps over 49 frames: 3.6).
 constexpr int64_t kMaxGridRatio = 4;
 
+// Most bytes of kn2row_bf16's gathered input for a strided grad_weight: every tap's at once (one GEMM),
+// else one tap's at a time.
+constexpr int64_t kMaxGatherBytes = int64_t{256} << 20;
+
 // Grid positions per grad_input task of kn2row_bf16: the task's stacked grad_output block (taps *
 // C_out rows of this many bfloat16 values) takes about a quarter of the L2, at least kMinPartColumns.
 int64_t kn2row_bf16_columns(int64_t stacked_rows, int64_t positions) {
@@ -873,25 +877,10 @@ void kn2row_bf16(
     // every sample's grid but the last one's positions after its last grad_output position
     const int64_t columns = (N - 1) * g.pitch + g.flat(p.out[0] - 1, p.out[1] - 1, p.out[2] - 1) + 1;
     const at::Tensor go_m = go_grid.narrow(1, front, columns);
-    // stride 1: the input in the grid at `padding`, tap k's columns a view at its offset; else each
-    // tap's input positions gathered into the grid's layout (zeros elsewhere, against grad_output's)
-    const bool unit_stride = !g.tap_offsets.empty();
-    at::Tensor x_grid, gathered, x_padded;
-    if (unit_stride) {
-      x_grid = to_grid(x, p.in, p.padding, g, 0, 0);
-    } else {
-      gathered = workspace::zeros({c_in, N * g.pitch}, x.options());
-      x_padded = x.view({N, c_in, p.in[0], p.in[1], p.in[2]});
-      if (p.padding[0] || p.padding[1] || p.padding[2]) {
-        x_padded = at::constant_pad_nd(x_padded, {p.padding[2], p.padding[2], p.padding[1], p.padding[1], p.padding[0], p.padding[0]});
-      }
-    }
-    // grad_weight per tap: (C_out, C_in) = grad_output @ input^T, or its transpose input @ grad_output^T
-    // (the same products, summed in float32 in another order), one GEMM
-    // after the other on oneDNN's threads: GemmOrientation measures which way runs faster here.
-    // (Tasks of single-threaded GEMMs ran 3x slower on two threads than one after the other: these
-    // long-K GEMMs stream their operands.)
-    at::Tensor acc = at::empty({taps, c_out, c_in}, go.options());
+    // grad_weight (C_out, C_in) per tap = grad_output @ input^T, or its transpose input @ grad_output^T
+    // (the same products, summed in float32 in another order), one GEMM after the other on oneDNN's
+    // threads: GemmOrientation measures which way runs faster here. (Tasks of single-threaded GEMMs ran
+    // 3x slower on two threads than one after the other: these long-K GEMMs stream their operands.)
     const auto product = [&](bool transposed, const at::Tensor& x_k, at::Tensor out) {
       if (transposed) {  // into a row-major (C_in, C_out) product: ATen would swap a transposed view back
         out.copy_(at::mm(x_k, go_m.t()).t());
@@ -899,31 +888,60 @@ void kn2row_bf16(
         at::mm_out(out, go_m, x_k.t());
       }
     };
-    GemmOrientation& orientation = gemm_orientation(c_out, c_in, columns);
-    bool transposed = false;
-    for (int64_t k = 0; k < taps; ++k) {
-      at::Tensor x_k;
-      if (unit_stride) {
-        x_k = x_grid.narrow(1, g.tap_offsets[k], columns);
-      } else {
-        const int64_t tap[3] = {k / (p.kernel[1] * p.kernel[2]), k / p.kernel[2] % p.kernel[1], k % p.kernel[2]};
-        at::Tensor from = x_padded;
-        for (int d = 0; d < 3; ++d) {
-          const int64_t start = tap[d] * p.dilation[d];
-          from = from.slice(2 + d, start, start + (p.out[d] - 1) * p.stride[d] + 1, p.stride[d]);
+    if (!g.tap_offsets.empty()) {
+      // stride 1: the input in the grid at `padding`, tap k's columns a view at its offset
+      const at::Tensor x_grid = to_grid(x, p.in, p.padding, g, 0, 0);
+      at::Tensor acc = at::empty({taps, c_out, c_in}, go.options());
+      GemmOrientation& orientation = gemm_orientation(c_out, c_in, columns);
+      bool transposed = false;
+      for (int64_t k = 0; k < taps; ++k) {
+        const at::Tensor x_k = x_grid.narrow(1, g.tap_offsets[k], columns);
+        if (k == 0) {
+          const at::Tensor scratch = at::empty({c_out, c_in}, go.options());
+          transposed = orientation.choose([&](bool t) { product(t, x_k, scratch); });
         }
-        gathered.view({c_in, N, g.size[0], g.size[1], g.size[2]})
-            .narrow(2, 0, p.out[0]).narrow(3, 0, p.out[1]).narrow(4, 0, p.out[2])
-            .copy_(from.transpose(0, 1));
-        x_k = gathered.narrow(1, 0, columns);
+        product(transposed, x_k, acc[k]);
       }
-      if (k == 0) {
-        const at::Tensor scratch = at::empty({c_out, c_in}, go.options());
-        transposed = orientation.choose([&](bool t) { product(t, x_k, scratch); });
+      gw.view({c_out, c_in, taps}).copy_(acc.permute({1, 2, 0}));
+    } else {
+      // strided: the taps' input positions o * stride + t * dilation - padding gathered into the grid's
+      // layout, [tap][ci] rows (zeros where grad_output has its zeros), and one GEMM for every tap (per
+      // tap where that copy would exceed kMaxGatherBytes): on two threads oneDNN ran wav2vec2's three
+      // 512 x 512 tap products (K = 12,800) in 22 ms, as on one, and their 512 x 1,536 product in 11
+      // (one thread: 21 and 19).
+      at::Tensor x_padded = x.view({N, c_in, p.in[0], p.in[1], p.in[2]});
+      if (p.padding[0] || p.padding[1] || p.padding[2]) {
+        x_padded = at::constant_pad_nd(x_padded, {p.padding[2], p.padding[2], p.padding[1], p.padding[1], p.padding[0], p.padding[0]});
       }
-      product(transposed, x_k, acc[k]);
+      const int64_t at_once = taps * c_in * N * g.pitch * int64_t(sizeof(at::BFloat16)) <= kMaxGatherBytes ? taps : 1;
+      const at::Tensor gathered = workspace::empty({at_once * c_in, N * g.pitch}, x.options());
+      const at::Tensor gathered_taps = gathered.view({at_once, c_in, N, g.size[0], g.size[1], g.size[2]});
+      for (int d = 0; d < 3; ++d) gathered_taps.narrow(3 + d, p.out[d], g.size[d] - p.out[d]).zero_();
+      at::Tensor acc = at::empty({taps / at_once, c_out, at_once * c_in}, go.options());
+      GemmOrientation& orientation = gemm_orientation(c_out, at_once * c_in, columns);
+      bool transposed = false;
+      for (int64_t k0 = 0; k0 < taps; k0 += at_once) {
+        for (int64_t k = k0; k < k0 + at_once; ++k) {
+          const int64_t tap[3] = {k / (p.kernel[1] * p.kernel[2]), k / p.kernel[2] % p.kernel[1], k % p.kernel[2]};
+          at::Tensor from = x_padded;
+          for (int d = 0; d < 3; ++d) {
+            const int64_t start = tap[d] * p.dilation[d];
+            from = from.slice(2 + d, start, start + (p.out[d] - 1) * p.stride[d] + 1, p.stride[d]);
+          }
+          gathered_taps[k - k0].narrow(2, 0, p.out[0]).narrow(3, 0, p.out[1]).narrow(4, 0, p.out[2])
+              .copy_(from.transpose(0, 1));
+        }
+        const at::Tensor x_k = gathered.narrow(1, 0, columns);
+        if (k0 == 0) {
+          const at::Tensor scratch = at::empty({c_out, at_once * c_in}, go.options());
+          transposed = orientation.choose([&](bool t) { product(t, x_k, scratch); });
+        }
+        product(transposed, x_k, acc[k0 / at_once]);
+      }
+      // acc: [tap block][co][tap in block][ci]
+      gw.view({c_out, c_in, taps / at_once, at_once})
+          .copy_(acc.view({taps / at_once, c_out, at_once, c_in}).permute({1, 3, 0, 2}));
     }
-    gw.view({c_out, c_in, taps}).copy_(acc.permute({1, 2, 0}));
   }
 }
 
