@@ -45,7 +45,12 @@ dense                native   dense 1-D/2-D layers, and what the GEMM classes be
                               wav2vec2's positional convolution, 128 taps over 49 frames, and its
                               feature encoder's stride-2 layers); wherever gemm-kn2row applies,
                               float32/float64, kn2row-planes (``csrc/cpu/gemm.cpp``: its per-tap products
-                              on the same micro-kernels, in the tensors' own layout)
+                              on the same micro-kernels, in the tensors' own layout); on bfloat16
+                              layers of any stride (groups 1, or stride 1 with taps in one dim)
+                              gemm-kn2row (``csrc/cpu/gemm.cpp``: oneDNN's bfloat16 GEMMs on zero-padded
+                              channel-major copies, taps stacked per phase of the input's positions,
+                              each output rounded once; wav2vec2's stride-2 feature encoder, ResNet's
+                              1x1 stride-1 and stride-2 layers)
 transposed           native   no compiled kernel yet
 bias-only            sum      ``output_mask`` asks for neither grad_input nor grad_weight: grad_bias is
                               grad_output's sum (whatever the weight: zero output channels or kernel size too)
