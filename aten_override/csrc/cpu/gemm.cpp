@@ -772,9 +772,10 @@ int64_t kn2row_bf16_columns(int64_t stacked_rows, int64_t positions) {
 //     matrix (plain copies: the grid's zeros stand where a tap meets no output) and one GEMM, weight as
 //     (C_in, taps * C_out) @ stacked; the block's positions j go to grad_input at stride * j + r. A
 //     phase no tap meets (a stride over the kernel's reach) is zero;
-//   grad_weight: per tap, one GEMM over every sample and grid position: grad_output's columns against
-//     the input's there: at stride 1 a view of the input's grid shifted by the tap's offset, else the
-//     input's positions o * stride + t * dilation - padding gathered into the grid's layout.
+//   grad_weight: one GEMM over every sample and grid position, grad_output's columns against the
+//     input's there: at stride 1 per tap, on a view of the input's grid shifted by the tap's offset;
+//     strided, for every tap at once (per tap over kMaxGatherBytes), on the taps' input positions
+//     o * stride + t * dilation - padding gathered into the grid's layout.
 // The zeros the grid puts against real values are exact unless those are not finite: run_kernel
 // declines a non-finite weight for grad_input and a non-finite grad_weight.
 // R(2+1)D's 144 -> 64 3x1x1 layer (8 frames of 56x56, batch 8, one Sapphire Rapids thread): 82 ms
