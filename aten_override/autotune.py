@@ -6,10 +6,10 @@ depthwise kernel's three walks, the direct, grouped-lanes, GEMM, Winograd and fu
 stride / padding / dilation / groups, bias, the thread count) times every candidate that applies on
 the call's own tensors (native's first run untimed, the reference; each candidate once, checked
 against it; an interleaved round of all; two more of native and the candidates within 2x of the
-fastest, none where the fastest run took 20 ms or more; each timed run starts with the caches flushed when the call's tensors would stay cached;
-each candidate's fastest run decides; a call asking for both gradients also times each
-gradient alone (twice, once for a 20 ms call), and a *split* ``"a+b"`` — grad_input and grad_bias from kernel ``a``, grad_weight
-from ``b`` — wins when those two together beat every whole kernel), and remembers the winner; a candidate must beat native by 3% to win. Later calls of that signature take the winner after one hash lookup in
+fastest, none where the fastest run took 20 ms or more; each timed run starts with the caches
+flushed when the call's tensors would stay cached; each candidate's fastest run decides; a call
+asking for both gradients also times each gradient alone (twice, once for a 20 ms call), and a
+*split* ``"a+b"`` — grad_input and grad_bias from kernel ``a``, grad_weight from ``b`` — wins when those two together beat every whole kernel), and remembers the winner; a candidate must beat native by 3% to win. Later calls of that signature take the winner after one hash lookup in
 C++. With autotune off, or under ``torch.use_deterministic_algorithms(True)``, the layer-class table
 decides (no timing), so results do not depend on machine load.
 

@@ -624,7 +624,8 @@ struct PaddedGrid {
   std::vector<int64_t> tap_offsets;  // stride 1: the input grid's flat offset t * dilation per tap
   int64_t min_offset = 0, max_offset = 0;  // over the phases' offsets (and 0)
 
-  explicit PaddedGrid(const DirectProblem& p) {
+  // sizes_only: size and pitch alone (kn2row_bf16_unsupported, on every call a tuned choice serves)
+  explicit PaddedGrid(const DirectProblem& p, bool sizes_only = false) {
     const bool unit_stride = p.stride[0] == 1 && p.stride[1] == 1 && p.stride[2] == 1;
     // per dim and residue: the taps meeting it and their e
     std::array<std::vector<std::vector<std::pair<int64_t, int64_t>>>, 3> reach;
@@ -646,6 +647,7 @@ struct PaddedGrid {
       if (unit_stride) size[d] = std::max({size[d], p.padding[d] + p.in[d], p.out[d] + (p.kernel[d] - 1) * p.dilation[d]});
     }
     pitch = size[0] * size[1] * size[2];
+    if (sizes_only) return;
     for (int64_t r0 = 0; r0 < p.stride[0]; ++r0) {
       for (int64_t r1 = 0; r1 < p.stride[1]; ++r1) {
         for (int64_t r2 = 0; r2 < p.stride[2]; ++r2) {
@@ -976,9 +978,10 @@ std::optional<std::string> kn2row_bf16_unsupported(const DirectProblem& p) {
     return std::string(
         "groups > 1 where it takes only stride 1, taps in one dim, no padding on the other dims and size 1 before it");
   }
-  const PaddedGrid g(p);
-  int64_t positions = p.out[0] * p.out[1] * p.out[2];
-  for (const auto& phase : g.phases) positions = std::max(positions, phase.count[0] * phase.count[1] * phase.count[2]);
+  const PaddedGrid g(p, /*sizes_only=*/true);
+  int64_t phase_positions = 1;  // the residue-0 phase's, the largest
+  for (int d = 0; d < 3; ++d) phase_positions *= (p.in[d] + p.stride[d] - 1) / p.stride[d];
+  const int64_t positions = std::max(p.out[0] * p.out[1] * p.out[2], phase_positions);
   if (g.pitch > kMaxGridRatio * positions) {
     return c10::str("its zero-padded grid (", g.size[0], "x", g.size[1], "x", g.size[2], ") is over ", kMaxGridRatio,
                     "x grad_output's positions");
