@@ -684,10 +684,16 @@ constexpr int Cols<VecPair<acc_t>> = 1;
 // measured 7.5 eps of grad_weight where native has 2.1).
 constexpr int64_t kGemmBlock = 64;
 
-template <typename V, int R, int NV, typename acc_t>
+// A tick called once per term of k (gemm_block's `tick`): nothing. pointwise-fused passes one that asks
+// for the next chunk's rows, a few lines per tick.
+struct NoTick {
+  ATEN_OVERRIDE_INLINE void operator()() const {}
+};
+
+template <typename V, int R, int NV, typename acc_t, typename Tick>
 ATEN_OVERRIDE_INLINE void gemm_tile(
     const acc_t* a, int64_t a_row, int64_t a_col, const acc_t* b, int64_t ldb, int64_t k, acc_t* c, int64_t ldc,
-    bool accumulate) {
+    bool accumulate, Tick&& tick) {
   constexpr int64_t L = V::size;
   for (int64_t k0 = 0; k0 < k; k0 += kGemmBlock) {
     const int64_t k1 = std::min(k, k0 + kGemmBlock);
@@ -702,6 +708,7 @@ ATEN_OVERRIDE_INLINE void gemm_tile(
     const acc_t* a_k = a + k0 * a_col;
     const acc_t* b_k = b + k0 * ldb;
     for (int64_t kk = k0; kk < k1; ++kk, a_k += a_col, b_k += ldb) {
+      tick();
       typename V::type bv[NV];
       ATEN_OVERRIDE_UNROLL
       for (int v = 0; v < NV; ++v) bv[v] = V::load(b_k + v * L);
@@ -724,25 +731,25 @@ ATEN_OVERRIDE_INLINE void gemm_tile(
 }
 
 // gemm_tile with R rows and the largest NV <= Cols<V> that is not over `vecs`.
-template <typename V, int R, int NV = Cols<V>, typename acc_t>
+template <typename V, int R, int NV = Cols<V>, typename acc_t, typename Tick>
 ATEN_OVERRIDE_INLINE void gemm_tile_vecs(
     const acc_t* a, int64_t a_row, int64_t a_col, const acc_t* b, int64_t ldb, int64_t k, acc_t* c, int64_t ldc,
-    int vecs, bool accumulate) {
+    int vecs, bool accumulate, Tick&& tick) {
   if constexpr (NV > 1) {
-    if (vecs < NV) return gemm_tile_vecs<V, R, NV - 1>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
+    if (vecs < NV) return gemm_tile_vecs<V, R, NV - 1>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate, tick);
   }
-  gemm_tile<V, R, NV>(a, a_row, a_col, b, ldb, k, c, ldc, accumulate);
+  gemm_tile<V, R, NV>(a, a_row, a_col, b, ldb, k, c, ldc, accumulate, tick);
 }
 
-// One micro-kernel: `rows` (<= Rows<V>) rows x `vecs` (<= Cols<V>) vectors of c.
-template <typename V, int R = Rows<V>, typename acc_t>
+// One micro-kernel: `rows` (<= Rows<V>) rows x `vecs` (<= Cols<V>) vectors of c; tick() once per term of k.
+template <typename V, int R = Rows<V>, typename acc_t, typename Tick = NoTick>
 ATEN_OVERRIDE_INLINE void gemm_block(
     const acc_t* a, int64_t a_row, int64_t a_col, const acc_t* b, int64_t ldb, int64_t k, acc_t* c, int64_t ldc,
-    int rows, int vecs, bool accumulate = true) {
+    int rows, int vecs, bool accumulate = true, Tick&& tick = Tick{}) {
   if constexpr (R > 1) {
-    if (rows < R) return gemm_block<V, R - 1>(a, a_row, a_col, b, ldb, k, c, ldc, rows, vecs, accumulate);
+    if (rows < R) return gemm_block<V, R - 1>(a, a_row, a_col, b, ldb, k, c, ldc, rows, vecs, accumulate, tick);
   }
-  gemm_tile_vecs<V, R>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate);
+  gemm_tile_vecs<V, R>(a, a_row, a_col, b, ldb, k, c, ldc, vecs, accumulate, tick);
 }
 
 // Terms of k per pass over c: all of k while a block of b's columns over all of k (k x Cols<V> vectors)

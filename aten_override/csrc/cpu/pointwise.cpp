@@ -8,9 +8,9 @@
 // matrix. MKL (native's Slow2d at one thread, and our gemm-im2col) runs them at 30-50 GFLOP/s on an
 // AVX-512 core that reaches ~100 in a square GEMM, and reads grad_output from memory once per gradient.
 //
-// How: a chunk is a run of one sample's positions whose grad_output and input rows fit half the L2
-// (read from the machine), asked for into L2 up front (rows a plane apart defeat the hardware
-// prefetchers). Per chunk:
+// How: a chunk is a run of one sample's positions whose grad_output and input rows fit a quarter of the
+// L2 (half without grad_input; read from the machine), asked for into L2 while the thread's previous
+// chunk computes (rows a plane apart defeat the hardware prefetchers). Per chunk:
 //   grad_input[ci, p] = sum_co weight[co, ci] * grad_output[co, p]: fused::Rows channels x fused::Cols
 //     vectors of positions per micro-kernel, a broadcast weight times a grad_output vector per FMA;
 //   grad_weight[co, ci] += sum_p grad_output[co, p] * input[ci, p]: the chunk's input transposed to
@@ -34,6 +34,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 namespace aten_override {
@@ -53,9 +54,9 @@ constexpr int64_t kGiBlock = 128;
 // NV vectors of positions from p = 0. The sum runs over blocks of kGiBlock channels in registers, each
 // added to the stored total: a float32 sum then has at most kGiBlock terms at each level (one running
 // sum over 2,048 channels measured 14-22 eps of grad_input where native's GEMM has 3-5).
-template <typename V, int NV, typename acc_t>
+template <typename V, int NV, typename acc_t, typename Tick>
 ATEN_OVERRIDE_INLINE void gi_tile(
-    const acc_t* go, int64_t ld_go, const acc_t* wp, int64_t c_out, acc_t* gi, int64_t ld_gi, int rows) {
+    const acc_t* go, int64_t ld_go, const acc_t* wp, int64_t c_out, acc_t* gi, int64_t ld_gi, int rows, Tick&& tick) {
   constexpr int64_t L = V::size;
   constexpr int kRows = Rows<V>;
   for (int64_t c0 = 0; c0 < c_out; c0 += kGiBlock) {
@@ -70,6 +71,7 @@ ATEN_OVERRIDE_INLINE void gi_tile(
     const acc_t* g_row = go + c0 * ld_go;
     const acc_t* w_row = wp + c0 * kRows;
     for (int64_t co = c0; co < std::min(c_out, c0 + kGiBlock); ++co, g_row += ld_go, w_row += kRows) {
+      tick();
       typename V::type g[NV];
       ATEN_OVERRIDE_UNROLL
       for (int v = 0; v < NV; ++v) g[v] = V::load(g_row + v * L);
@@ -127,39 +129,61 @@ struct Chunk {
   int64_t next_n;
 };
 
-// The next chunk's grad_output and input rows, asked for into L2 a few lines at a time while the current
-// chunk computes (all at once before it, the memory and the arithmetic did not overlap).
+// The next chunk's grad_output and input rows, asked for into L2 while the current chunk computes, spread
+// evenly over the chunk's micro-kernel steps (a channel of grad_input, a position of grad_weight): a few
+// lines every `interval` steps. Asked for in bursts (a few hundred lines per step of grad_input
+// positions), they filled the core's line fill buffers: the prefetch instructions then took a quarter of
+// the kernel's cycles (perf) and the memory and the arithmetic did not overlap.
 template <typename acc_t>
 class Ahead {
  public:
-  Ahead(const Chunk& k, int64_t ticks) {
+  // steps: how many times the chunk's micro-kernels will call the Ahead.
+  Ahead(const Chunk& k, int64_t steps) {
     if (!k.next_go) return;
     go_ = static_cast<const char*>(k.next_go);
     x_ = static_cast<const char*>(k.next_x);
     row_bytes_ = k.plane * int64_t(sizeof(acc_t));
-    lines_per_row_ = (k.next_n * int64_t(sizeof(acc_t)) + 63) / 64;
     go_rows_ = k.c_out;
     rows_ = k.c_out + (x_ ? k.c_in : 0);
-    per_tick_ = (rows_ * lines_per_row_ + ticks - 1) / std::max<int64_t>(1, ticks);
+    run_bytes_ = k.next_n * int64_t(sizeof(acc_t));
+    const int64_t lines = rows_ * ((run_bytes_ + 63) / 64);
+    // kBurst lines every `interval_` steps (every step where there are more lines than steps: the rest
+    // in finish())
+    interval_ = std::max<int64_t>(1, steps * kBurst / std::max<int64_t>(1, lines));
+    countdown_ = interval_;
+    start_row();
   }
-  // Asks for the next few lines.
-  ATEN_OVERRIDE_INLINE void tick() {
-    for (int64_t i = 0; i < per_tick_ && row_ < rows_; ++i) {
-      const char* base = row_ < go_rows_ ? go_ + row_ * row_bytes_ : x_ + (row_ - go_rows_) * row_bytes_;
-      __builtin_prefetch(base + line_ * 64, 0, 2);
-      if (++line_ == lines_per_row_) line_ = 0, ++row_;
-    }
+  // One step.
+  ATEN_OVERRIDE_INLINE void operator()() {
+    if (--countdown_ > 0) return;
+    countdown_ = interval_;
+    for (int i = 0; i < kBurst; ++i) next_line();
   }
   // Asks for whatever is left.
   void finish() {
-    per_tick_ = rows_ * lines_per_row_;
-    tick();
+    while (row_ < rows_) next_line();
   }
 
  private:
+  static constexpr int kBurst = 2;
+  ATEN_OVERRIDE_INLINE void start_row() {
+    if (row_ >= rows_) return;
+    line_ = row_ < go_rows_ ? go_ + row_ * row_bytes_ : x_ + (row_ - go_rows_) * row_bytes_;
+    end_ = line_ + run_bytes_;
+  }
+  ATEN_OVERRIDE_INLINE void next_line() {
+    if (row_ >= rows_) return;
+    __builtin_prefetch(line_, 0, 2);
+    line_ += 64;
+    if (line_ >= end_) ++row_, start_row();
+  }
+
   const char* go_ = nullptr;
   const char* x_ = nullptr;
-  int64_t row_bytes_ = 0, lines_per_row_ = 0, go_rows_ = 0, rows_ = 0, per_tick_ = 0, row_ = 0, line_ = 0;
+  const char* line_ = nullptr;
+  const char* end_ = nullptr;
+  int64_t row_bytes_ = 0, go_rows_ = 0, rows_ = 0, run_bytes_ = 0, row_ = 0;
+  int64_t interval_ = std::numeric_limits<int64_t>::max(), countdown_ = std::numeric_limits<int64_t>::max();
 };
 
 template <typename V, typename acc_t>
@@ -169,30 +193,32 @@ ATEN_OVERRIDE_INLINE void run_chunk(const Chunk& k) {
   const acc_t* go = static_cast<const acc_t*>(k.go);
   // Rows a plane apart defeat the hardware prefetchers (one stream per channel): a thread's first chunk
   // asks for its grad_output and input rows up front, each a contiguous run, and every chunk asks for
-  // the next one's while it computes (a tick per grad_input step of positions, per grad_weight block of rows).
+  // the next one's while it computes (Ahead: a few lines every few micro-kernel steps).
   if (!k.prefetched) {
     for (int64_t c = 0; c < k.c_out; ++c) fused::prefetch(go + c * k.plane, k.n);
     if (k.gw) {
       for (int64_t c = 0; c < k.c_in; ++c) fused::prefetch(static_cast<const acc_t*>(k.x) + c * k.plane, k.n);
     }
   }
-  Ahead<acc_t> ahead(k, (k.n + step - 1) / step);
+  // the micro-kernels' steps: a channel of a grad_input block, a position of a grad_weight block
+  const int64_t gi_steps = k.wp ? k.n / step * ((k.c_in + kRows - 1) / kRows) * k.c_out : 0;
+  const int64_t gw_steps = k.gw ? (k.c_out + kRows - 1) / kRows * ((k.ci_pad + step - 1) / step) * k.n : 0;
+  Ahead<acc_t> ahead(k, gi_steps + gw_steps);
   if (k.wp) {
     const acc_t* wp = static_cast<const acc_t*>(k.wp);
     acc_t* gi = static_cast<acc_t*>(k.gi);
     // Positions outer: a block of grad_output (C_out x step) stays in L1 across the channel blocks.
     int64_t p = 0;
     for (; p + step <= k.n; p += step) {
-      ahead.tick();
       for (int64_t c = 0; c < k.c_in; c += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, k.c_in - c));
-        gi_tile<V, Cols<V>>(go + p, k.plane, wp + c * k.c_out, k.c_out, gi + c * k.plane + p, k.plane, rows);
+        gi_tile<V, Cols<V>>(go + p, k.plane, wp + c * k.c_out, k.c_out, gi + c * k.plane + p, k.plane, rows, ahead);
       }
     }
     for (; p + L <= k.n; p += L) {
       for (int64_t c = 0; c < k.c_in; c += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, k.c_in - c));
-        gi_tile<V, 1>(go + p, k.plane, wp + c * k.c_out, k.c_out, gi + c * k.plane + p, k.plane, rows);
+        gi_tile<V, 1>(go + p, k.plane, wp + c * k.c_out, k.c_out, gi + c * k.plane + p, k.plane, rows, fused::NoTick{});
       }
     }
     if (p < k.n) {
@@ -209,13 +235,22 @@ ATEN_OVERRIDE_INLINE void run_chunk(const Chunk& k) {
     for (int64_t c = 0; c < k.c_in; c += L) {
       fused::load_tiles(x + c * k.plane, k.plane, std::min(L, k.c_in - c), k.index, k.n, xt + c, k.ci_pad);
     }
-    // grad_weight (C_out x ci_pad) += grad_output rows (C_out x n) @ xt (n x ci_pad), rows outer.
-    for (int64_t r = 0; r < k.c_out; r += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, k.c_out - r));
-      for (int64_t c = 0; c < k.ci_pad; c += Cols<V> * L) {
-        const int vecs = static_cast<int>(std::min<int64_t>(Cols<V>, (k.ci_pad - c) / L));
-        fused::gemm_block<V>(go + r * k.plane, k.plane, 1, xt + c, k.ci_pad, k.n, gw + r * k.ci_pad + c, k.ci_pad, rows, vecs);
+    // grad_weight (C_out x ci_pad) += grad_output rows (C_out x n) @ xt (n x ci_pad), rows outer. Without a
+    // next chunk (grad_weight alone, the last task) no tick: its count in the loop cost 3-6%.
+    auto product = [&](auto&& tick) ATEN_OVERRIDE_ALWAYS_INLINE {
+      for (int64_t r = 0; r < k.c_out; r += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, k.c_out - r));
+        for (int64_t c = 0; c < k.ci_pad; c += Cols<V> * L) {
+          const int vecs = static_cast<int>(std::min<int64_t>(Cols<V>, (k.ci_pad - c) / L));
+          fused::gemm_block<V>(go + r * k.plane, k.plane, 1, xt + c, k.ci_pad, k.n, gw + r * k.ci_pad + c, k.ci_pad, rows,
+                               vecs, /*accumulate=*/true, tick);
+        }
       }
+    };
+    if (k.next_go) {
+      product(ahead);
+    } else {
+      product(fused::NoTick{});
     }
   }
   ahead.finish();
