@@ -1839,9 +1839,10 @@ class CacheFlush {
 };
 
 // A call asking for both gradients: each still-alive candidate is timed on grad_input alone (with
-// grad_bias) and on grad_weight alone, `rounds` times each (2, or 1 for a long call), interleaved; when the fastest grad_input kernel and
-// the fastest grad_weight kernel differ and together beat `best` (the whole-call winner's fastest run,
-// or native's less kWinMargin), the split wins. Each part is checked against native's result.
+// grad_bias) and on grad_weight alone, `rounds` times each (2, or 1 for a long call), interleaved; when
+// the fastest grad_input kernel and the fastest grad_weight kernel differ and together beat `best` (the
+// whole-call winner's fastest run, or native's less kWinMargin), the split wins. Each part is checked
+// against native's result.
 void tune_split(
     const Args& a, const Expanded& e, const std::vector<Kernel>& candidates, const std::vector<bool>& alive,
     Verifier& verify, double best, int rounds, CacheFlush& flush, Tuned& out) {

@@ -207,9 +207,10 @@ ATEN_OVERRIDE_INLINE void run_chunk(const Chunk& k) {
     }
     if (p < k.n) {
       // The last positions (fewer than a vector: a 14x14 plane's 4 after 4 steps of 48) through gi_tile on a
-      // zero-padded copy of their grad_output columns, the same sums in the same order; one at a time,
-      // they took as long as the plane's other 192 (grad_input of EfficientNet's 80 -> 480 at 14x14 1.8x
-      // native's time, 0.94x at 16x12).
+      // zero-padded copy of their grad_output columns: the other positions' arithmetic, sums in the same
+      // order. A scalar loop, one position at a time, took as long as the plane's other 192 (grad_input of
+      // EfficientNet's 80 -> 480 at 14x14 1.8x native's time, 0.94x at 16x12), and its results differed
+      // from the vector code's in the last place.
       const int64_t rem = k.n - p;
       acc_t* padded = static_cast<acc_t*>(k.tail);  // C_out x L, then the micro-kernel's rows x L
       acc_t* out = padded + k.c_out * L;
