@@ -23,6 +23,13 @@ inline int64_t l2_bytes() {
   return bytes > 0 ? bytes : int64_t{1} << 20;
 }
 
+// cache_bytes(1), or 32 KiB where the machine does not say: the L1 data cache the kernels size their
+// innermost blocks by.
+inline int64_t l1_bytes() {
+  const int64_t bytes = cache_bytes(1);
+  return bytes > 0 ? bytes : int64_t{32} << 10;
+}
+
 // One non-transposed convolution, every spatial argument expanded to 3 dims (1-D and 2-D calls are
 // padded in front with size-1 dims: kernel 1, stride 1, padding 0, dilation 1).
 struct DirectProblem {

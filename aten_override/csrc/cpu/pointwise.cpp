@@ -14,7 +14,8 @@
 //   grad_input[ci, p] = sum_co weight[co, ci] * grad_output[co, p]: fused::Rows channels x fused::Cols
 //     vectors of positions per micro-kernel, a broadcast weight times a grad_output vector per FMA;
 //   grad_weight[co, ci] += sum_p grad_output[co, p] * input[ci, p]: the chunk's input transposed to
-//     [position][channel] (fused.h's 16x16 tiles), then fused::gemm_add's micro-kernels (Rows output
+//     [position][channel] (fused.h's 16x16 tiles) a panel of positions at a time (panel_positions), then
+//     fused::gemm_add's micro-kernels (Rows output
 //     channels x Cols vectors of input channels, a broadcast grad_output element times an input vector
 //     per FMA). Both in the register blocks of the CPU's vector type (fused::wide_vectors(): AVX-512 or
 //     AVX2 registers).
@@ -35,6 +36,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace aten_override {
@@ -101,10 +103,11 @@ struct Chunk {
   const void* wp;
   void* gi;
   void* gw;  // (C_out, ci_pad)
-  void* xt;  // the chunk's input as [position][ci_pad] (this thread's buffer)
+  void* xt;  // a panel of the chunk's input as [position][ci_pad] (this thread's buffer)
   void* tail;  // grad_input's last positions: (C_out + Rows) x L (this thread's buffer)
   const int64_t* index;  // 0, 1, 2, ... (positions, for fused::load_tiles)
   int64_t n, plane, c_in, c_out, ci_pad;
+  int64_t panel;  // positions of input transposed at a time: see panel_positions
   bool wide;  // Vec or VecPair (fused::wide_vectors(), read once per call: wp's blocks follow it)
   bool prefetched;  // the task before this one, on this thread, asked for this chunk's rows
   // the next task's chunk on this thread (next_go null: none): its rows are asked for while this one computes
@@ -229,18 +232,22 @@ ATEN_OVERRIDE_INLINE void run_chunk(const Chunk& k) {
     const acc_t* x = static_cast<const acc_t*>(k.x);
     acc_t* xt = static_cast<acc_t*>(k.xt);
     acc_t* gw = static_cast<acc_t*>(k.gw);
-    for (int64_t c = 0; c < k.c_in; c += L) {
-      fused::load_tiles(x + c * k.plane, k.plane, std::min(L, k.c_in - c), k.index, k.n, xt + c, k.ci_pad);
-    }
-    // grad_weight (C_out x ci_pad) += grad_output rows (C_out x n) @ xt (n x ci_pad), rows outer. Without a
-    // next chunk (grad_weight alone, the last task) no tick: its count in the loop cost 3-6%.
+    // grad_weight (C_out x ci_pad) += grad_output rows (C_out x n) @ xt (n x ci_pad), panel by panel of
+    // positions (Chunk::panel): the panel's input transposed into xt, then the micro-kernels, rows outer.
+    // Without a next chunk (grad_weight alone, the last task) no tick: its count in the loop cost 3-6%.
     auto product = [&](auto&& tick) ATEN_OVERRIDE_ALWAYS_INLINE {
-      for (int64_t r = 0; r < k.c_out; r += kRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRows, k.c_out - r));
-        for (int64_t c = 0; c < k.ci_pad; c += Cols<V> * L) {
-          const int vecs = static_cast<int>(std::min<int64_t>(Cols<V>, (k.ci_pad - c) / L));
-          fused::gemm_block<V>(go + r * k.plane, k.plane, 1, xt + c, k.ci_pad, k.n, gw + r * k.ci_pad + c, k.ci_pad, rows,
-                               vecs, /*accumulate=*/true, tick);
+      for (int64_t p = 0; p < k.n; p += k.panel) {
+        const int64_t n = std::min(k.panel, k.n - p);
+        for (int64_t c = 0; c < k.c_in; c += L) {
+          fused::load_tiles(x + c * k.plane + p, k.plane, std::min(L, k.c_in - c), k.index, n, xt + c, k.ci_pad);
+        }
+        for (int64_t r = 0; r < k.c_out; r += kRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kRows, k.c_out - r));
+          for (int64_t c = 0; c < k.ci_pad; c += Cols<V> * L) {
+            const int vecs = static_cast<int>(std::min<int64_t>(Cols<V>, (k.ci_pad - c) / L));
+            fused::gemm_block<V>(go + r * k.plane + p, k.plane, 1, xt + c, k.ci_pad, n, gw + r * k.ci_pad + c, k.ci_pad,
+                                 rows, vecs, /*accumulate=*/true, tick);
+          }
         }
       }
     };
@@ -276,6 +283,22 @@ int64_t chunk_positions(const DirectProblem& p, int64_t plane, bool wide, bool g
   return std::min(plane, std::max(step, n));
 }
 
+// Positions of a chunk's input that grad_weight transposes at a time (Chunk::panel). With grad_input the
+// chunk is in L2 before it is read (Ahead): panels whose transpose fits half the L1, so that its stores
+// and the micro-kernels' reads of it hit L1, in whole blocks of fused::kGemmBlock (each micro-kernel's
+// sums then start where they did over the whole chunk: the same bits). Transposed whole, a chunk's input
+// (~1 MB) lived in L2, every store of the transpose missed L1, and the transpose took as long as the
+// products (perf; one thread, both gradients of MobileNetV2's / EfficientNet's / ResNet-50's 1x1 layers
+// 0.83-0.99x their time with whole chunks). Without grad_input the rows stream from memory, fetched by
+// the hardware prefetchers, which follow a few rows read in order but not every row a panel at a time
+// (grad_weight alone took up to 1.5x longer with the caches flushed): one panel, the whole chunk.
+template <typename acc_t>
+int64_t panel_positions(int64_t per_chunk, int64_t ci_pad, bool gi) {
+  if (!gi) return per_chunk;
+  const int64_t fit = l1_bytes() / 2 / (ci_pad * int64_t(sizeof(acc_t)));
+  return std::max(fused::kGemmBlock, fit / fused::kGemmBlock * fused::kGemmBlock);
+}
+
 template <typename acc_t>
 void pointwise_backward_typed(
     const DirectProblem& p, const at::Tensor& go, const at::Tensor& x, const at::Tensor& w, at::Tensor* gi,
@@ -296,6 +319,7 @@ void pointwise_backward_typed(
     }
   }
   const int64_t ci_pad = fused::round_up<acc_t>(c_in);
+  const int64_t panel = std::min(per_chunk, panel_positions<acc_t>(per_chunk, ci_pad, gi != nullptr));
   const int64_t slabs = fused::slab_count(tasks, gw ? c_out * ci_pad * int64_t(sizeof(acc_t)) : 0);
   at::Tensor partial = gw ? at::zeros({slabs, c_out, ci_pad}, go.options()) : at::Tensor();
   std::vector<int64_t> index(per_chunk);
@@ -307,7 +331,8 @@ void pointwise_backward_typed(
   // Serial below one GEMM-sized problem: a thread's start costs more than the chunk.
   const int64_t grain = plane * (c_in + c_out) * p.batch < fused::kSerialElements ? slabs : 1;
   at::parallel_for(0, slabs, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> xt(gw ? per_chunk * ci_pad : 0);
+    // (not zeroed: every panel's positions are written before they are read)
+    std::unique_ptr<acc_t[]> xt(gw ? new acc_t[panel * ci_pad] : nullptr);
     std::vector<acc_t> tail(gi ? (c_out + fused::rows_of<acc_t>(wide)) * Vec<acc_t>::size : 0);
     for (int64_t s = begin; s < end; ++s) {
       const int64_t slab_end = (s + 1) * tasks / slabs;
@@ -330,10 +355,11 @@ void pointwise_backward_typed(
         k.wp = gi ? wp.data() : nullptr;
         k.gi = gi_d ? gi_d + n * c_in * plane + first : nullptr;
         k.gw = part_d ? part_d + s * c_out * ci_pad : nullptr;
-        k.xt = xt.data();
+        k.xt = xt.get();
         k.tail = tail.data();
         k.index = index.data();
         k.n = std::min(per_chunk, plane - first);
+        k.panel = panel;
         k.plane = plane, k.c_in = c_in, k.c_out = c_out, k.ci_pad = ci_pad, k.wide = wide;
         if constexpr (std::is_same_v<acc_t, float>) {
           run_chunk_f(k);
