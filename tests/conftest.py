@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 # The compiled backend's tests check each kernel on the layers its layer class claims: the static
 # table decides here (tests/ops/convolution_backward/test_autotune.py turns measuring on explicitly).
@@ -31,6 +32,19 @@ def backend(request) -> str:
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     return request.param
+
+
+@pytest.fixture
+def sigint_delivered():
+    """SIGINT reaches the child interpreters this test starts. A shell starts a background job (``cmd &``
+    without job control, as a CI script may) with SIGINT ignored, exec keeps an ignored signal
+    ignored, and Python then installs no KeyboardInterrupt handler: the tests that interrupt a child
+    with SIGINT timed out. A handler here becomes the default disposition in the child at exec."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(autouse=True)

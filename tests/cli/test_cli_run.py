@@ -199,6 +199,7 @@ LOOP = textwrap.dedent(
 
 
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.usefixtures("sigint_delivered")
 def test_signal_gives_its_exit_status_and_a_complete_trace(tmp_path, signum, status):
     """Issue 14: after SIGTERM no trace file was written, and Ctrl-C under run exited 1."""
     (tmp_path / "loop.py").write_text(LOOP)
@@ -258,6 +259,7 @@ SWALLOWED = textwrap.dedent(
 
 @pytest.mark.parametrize("callback", ["weakref", "__del__"])
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.usefixtures("sigint_delivered")
 def test_signal_swallowed_in_a_callback_is_delivered_again(tmp_path, signum, status, callback):
     """The signal test above timed out in ~1 of 4 CI runs: the SIGTERM handler ran inside the
     tracer's weakref callback, CPython printed "Exception ignored in" and the program went on.

@@ -122,6 +122,7 @@ _SIGINT_SCRIPT = textwrap.dedent("""
 
 
 @parametrize_backend
+@pytest.mark.usefixtures("sigint_delivered")
 def test_sigint_during_training_restores_dispatcher(backend):
     proc = subprocess.Popen(
         [sys.executable, "-c", _SIGINT_SCRIPT, backend],
