@@ -14,11 +14,10 @@
 //   grad_input[ci, p] = sum_co weight[co, ci] * grad_output[co, p]: fused::Rows channels x fused::Cols
 //     vectors of positions per micro-kernel, a broadcast weight times a grad_output vector per FMA;
 //   grad_weight[co, ci] += sum_p grad_output[co, p] * input[ci, p]: the chunk's input transposed to
-//     [position][channel] (fused.h's 16x16 tiles) a panel of positions at a time (panel_positions), then
-//     fused::gemm_add's micro-kernels (Rows output
-//     channels x Cols vectors of input channels, a broadcast grad_output element times an input vector
-//     per FMA). Both in the register blocks of the CPU's vector type (fused::wide_vectors(): AVX-512 or
-//     AVX2 registers).
+//     [position][channel] (fused.h's 16x16 tiles) a panel of positions at a time (panel_positions),
+//     then fused::gemm_add's micro-kernels (Rows output channels x Cols vectors of input channels, a
+//     broadcast grad_output element times an input vector per FMA). Both in the register blocks of the
+//     CPU's vector type (fused::wide_vectors(): AVX-512 or AVX2 registers).
 // Every float32 sum runs over blocks of at most kGiBlock / kGemmBlock terms in registers, then their
 // totals (within twice native's error; one running sum was 4-7x native's on long sums).
 // The chunk's grad_output is read from memory once and serves both gradients from the cache.
@@ -288,10 +287,11 @@ int64_t chunk_positions(const DirectProblem& p, int64_t plane, bool wide, bool g
 // and the micro-kernels' reads of it hit L1, in whole blocks of fused::kGemmBlock (each micro-kernel's
 // sums then start where they did over the whole chunk: the same bits). Transposed whole, a chunk's input
 // (~1 MB) lived in L2, every store of the transpose missed L1, and the transpose took as long as the
-// products (perf; one thread, both gradients of MobileNetV2's / EfficientNet's / ResNet-50's 1x1 layers
-// 0.83-0.99x their time with whole chunks). Without grad_input the rows stream from memory, fetched by
-// the hardware prefetchers, which follow a few rows read in order but not every row a panel at a time
-// (grad_weight alone took up to 1.5x longer with the caches flushed): one panel, the whole chunk.
+// products (perf). In panels, both gradients of MobileNetV2's / EfficientNet's / ResNet-50's 1x1 layers
+// take 0.84-0.97x their time with whole chunks (one thread; 0.83-1.01x with the caches flushed).
+// Without grad_input the rows stream from memory, fetched by the hardware prefetchers, which follow a
+// few rows read in order but not every row a panel at a time (grad_weight alone took up to 1.5x longer
+// with the caches flushed): one panel, the whole chunk.
 template <typename acc_t>
 int64_t panel_positions(int64_t per_chunk, int64_t ci_pad, bool gi) {
   if (!gi) return per_chunk;
