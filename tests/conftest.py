@@ -40,11 +40,12 @@ def sigint_delivered():
     without job control, as a CI script may) with SIGINT ignored, exec keeps an ignored signal
     ignored, and Python then installs no KeyboardInterrupt handler: the tests that interrupt a child
     with SIGINT timed out. A handler here becomes the default disposition in the child at exec."""
-    previous = signal.getsignal(signal.SIGINT)
-    if previous == signal.SIG_IGN:
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
-    signal.signal(signal.SIGINT, previous)
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @pytest.fixture(autouse=True)

@@ -291,12 +291,12 @@ int64_t chunk_positions(const DirectProblem& p, int64_t plane, bool wide, bool g
 // take 0.84-0.97x their time with whole chunks (one thread; 0.83-1.01x with the caches flushed).
 // Without grad_input the rows stream from memory, fetched by the hardware prefetchers, which follow a
 // few rows read in order but not every row a panel at a time (grad_weight alone took up to 1.5x longer
-// with the caches flushed): one panel, the whole chunk.
+// with the caches flushed): one panel, the whole chunk. At most per_chunk.
 template <typename acc_t>
 int64_t panel_positions(int64_t per_chunk, int64_t ci_pad, bool gi) {
   if (!gi) return per_chunk;
   const int64_t fit = l1_bytes() / 2 / (ci_pad * int64_t(sizeof(acc_t)));
-  return std::max(fused::kGemmBlock, fit / fused::kGemmBlock * fused::kGemmBlock);
+  return std::min(per_chunk, std::max(fused::kGemmBlock, fit / fused::kGemmBlock * fused::kGemmBlock));
 }
 
 template <typename acc_t>
@@ -319,7 +319,7 @@ void pointwise_backward_typed(
     }
   }
   const int64_t ci_pad = fused::round_up<acc_t>(c_in);
-  const int64_t panel = std::min(per_chunk, panel_positions<acc_t>(per_chunk, ci_pad, gi != nullptr));
+  const int64_t panel = panel_positions<acc_t>(per_chunk, ci_pad, gi != nullptr);
   const int64_t slabs = fused::slab_count(tasks, gw ? c_out * ci_pad * int64_t(sizeof(acc_t)) : 0);
   at::Tensor partial = gw ? at::zeros({slabs, c_out, ci_pad}, go.options()) : at::Tensor();
   std::vector<int64_t> index(per_chunk);
