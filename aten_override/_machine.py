@@ -149,6 +149,11 @@ class Machine:
     vdpbf16ps), ``"none"`` (no AVX512_BF16: the kernel declines) or ``"emulated"`` (forced, for tests);
     ``None`` without the extension."""
 
+    streaming_stores: dict | None = None
+    """``_C.streaming_stores()``: how the depthwise walks and grouped-lanes write a grad_input of 8 MiB or more
+    (non-temporal stores through a staging buffer, or ordinary stores), measured once per process on the
+    kernel, with both ways' times (microseconds); ``None`` without the extension."""
+
     subnormal_cost: dict | None = None
     """``_C.subnormal_cost()``: a float32 128x128 ``at::mm``'s time (microseconds) on operands whose products
     are subnormal and on normal ones, and whether the compiled backend rescales underflowing calls here;
@@ -189,6 +194,7 @@ def measure(dtypes=PEAK_DTYPES, peak_gflops: float | None = None, bandwidth_gbs:
         vector_type=_extension_says("vector_type"),
         bf16_dot=_extension_says("bf16_dot"),
         subnormal_cost=_extension_says("subnormal_cost"),
+        streaming_stores=_extension_says("streaming_stores"),
     )
 
 
@@ -218,12 +224,25 @@ def header(machine: Machine) -> str:
             f"torch cpu capability: {machine.cpu_capability}",
             f"torch {machine.torch_version}, oneDNN {machine.onednn_version or '-'}, {machine.threads} threads; "
             f"compiled kernels' vectors: {_VECTOR_TYPES.get(machine.vector_type, 'extension not built')}; "
-            f"bfloat16 dot products: {_BF16_DOTS.get(machine.bf16_dot, 'extension not built')}",
+            f"bfloat16 dot products: {_BF16_DOTS.get(machine.bf16_dot, 'extension not built')}; "
+            f"{streaming_text(machine.streaming_stores)}",
             f"FLOP peak (GFLOP/s, the faster of torch.mm 2048^2 and a 3x3 conv): {peaks}; "
             f"bandwidth {machine.bandwidth / 1e9:.1f} GB/s ({machine.bandwidth_source})",
             subnormal_line(machine.subnormal_cost),
         ]
     )
+
+
+def streaming_text(report: dict | None) -> str:
+    """How large grad_input outputs are written here (``_C.streaming_stores()``), for the header."""
+    if report is None:
+        return "grad_input writes: extension not built"
+    if report["direct_us"] == 0:
+        return "grad_input writes: ordinary stores (no streaming stores on this CPU)"
+    way = "streamed (non-temporal)" if report["streaming"] else "ordinary stores"
+    forced = ", forced" if report["forced"] else ""
+    return (f"grad_input over 8 MiB: {way}{forced} (measured: streamed {report['streamed_us']:.0f} us, "
+            f"ordinary {report['direct_us']:.0f} us)")
 
 
 def subnormal_line(cost: dict | None) -> str:

@@ -2683,6 +2683,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "set_winograd_gemm(engine): force the winograd kernel's GEMM engine ('library' or 'vectors'; tests run both "
       "on any machine), or None for the measured one. Raises ValueError for another name");
   m.def(
+      "streaming_stores",
+      []() {
+        const StreamingStores s = streaming_stores();
+        py::dict out;
+        out["streaming"] = s.streaming;
+        out["direct_us"] = s.direct_us;
+        out["streamed_us"] = s.streamed_us;
+        out["forced"] = s.forced;
+        return out;
+      },
+      "streaming_stores() -> {'streaming', 'direct_us', 'streamed_us', 'forced'}: whether the depthwise walks and "
+      "grouped-lanes write a grad_input of at least 8 MiB through an L2 staging buffer with non-temporal stores "
+      "(streaming) or with ordinary stores, measured once per process on one thread on the kernel itself (grad_input "
+      "of a 16-channel 3x3 stride-2 depthwise layer at 112x112, twice the L3: 64-256 MiB), each way's fastest of "
+      "three runs in microseconds (0 where the CPU has no streaming stores), and whether set_streaming_stores "
+      "forced the choice");
+  m.def(
+      "set_streaming_stores",
+      [](std::optional<bool> streaming) { set_streaming_stores(streaming); },
+      py::arg("streaming"),
+      "set_streaming_stores(streaming): force large grad_input writes streamed (True; where the CPU has streaming "
+      "stores) or ordinary (False) so that tests run both ways on any machine, or None for the measured way");
+  m.def(
       "vector_type", []() { return fused::wide_vectors() ? "wide" : "pair"; },
       "vector_type() -> 'wide' | 'pair': what the CPU kernels' vector code computes in: 64-byte vectors in AVX-512 "
       "registers ('wide', the default where the CPU has AVX-512) or pairs of 32-byte AVX2 vectors ('pair', "

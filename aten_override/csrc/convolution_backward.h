@@ -148,6 +148,23 @@ struct WinogradGemm {
 };
 WinogradGemm winograd_gemm();
 void set_winograd_gemm(std::optional<bool> vectors);
+// How the depthwise walks and grouped-lanes write a grad_input of at least fused::kStreamBytes (8 MiB),
+// measured once per process on one thread (streaming_stores()): through a staging buffer in L2 copied
+// out with non-temporal stores (fused::copy_streaming: no read of each destination line before it is
+// written), or with ordinary stores straight from their tiles. Timed on the kernel itself: grad_input
+// alone of a 16-channel 3x3 stride-2 depthwise layer at 112x112 (MobileNetV2's layer.0) in the
+// channels-in-lanes walk, over enough samples that grad_input is twice the L3 (64-256 MiB), each way;
+// `direct_us` and `streamed_us` are the fastest of three runs (0: the CPU has no streaming stores),
+// `streaming` whether the streamed run was faster, `forced` when set_streaming_stores chose instead
+// (tests run both ways on any machine). A copy loop standing in for the kernel said the opposite of
+// the kernels on a Zen 3 VM (streamed faster in 5 of 6 processes, where the kernels took 0.90-0.98x
+// the streamed time with ordinary stores); the choice had been a constant set on AVX-512 machines.
+struct StreamingStores {
+  bool streaming = false, forced = false;
+  double direct_us = 0, streamed_us = 0;
+};
+StreamingStores streaming_stores();
+void set_streaming_stores(std::optional<bool> streaming);
 void winograd_backward_cpu(
     const DirectProblem& p, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& weight, at::Tensor* grad_input, at::Tensor* grad_weight);

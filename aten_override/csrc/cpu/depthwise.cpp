@@ -21,7 +21,8 @@
 // element is computed by one task in a fixed order: no atomics on results, and every result is
 // independent of the thread count (deterministic). float16 / bfloat16 convert into the acc_t
 // (float32) buffers while packing, so there is no separate conversion pass. Large grad_input outputs
-// are hinted to use huge pages and written with non-temporal stores.
+// are hinted to use huge pages and written with non-temporal stores where this machine measured that
+// faster (streaming_stores(), below).
 //
 // Small or strided planes take a second kernel with the same contract and task split (below,
 // "channels in vector lanes"): a block of L channels is transposed into [position][channel] tiles, so
@@ -34,9 +35,13 @@
 // slides kernel rows of 2 or 3 taps in registers likewise (below, "the plane walk's kernel rows").
 #include "fused.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <optional>
@@ -490,8 +495,8 @@ void depthwise_impl(
   const int64_t gi_bytes = gi ? p.batch * channels * in_plane * static_cast<int64_t>(sizeof(scalar_t)) : 0;
   if (gi) advise_huge_pages(gi, gi_bytes);
 #ifdef ATEN_OVERRIDE_AVX512
-  // Only outputs far larger than the caches are worth streaming past them.
-  const bool stream = gi_bytes >= kStreamBytes && has_streaming();
+  // Only outputs far larger than the caches are worth streaming past them, where streaming measured faster.
+  const bool stream = gi_bytes >= kStreamBytes && streaming_stores().streaming;
 #else
   const bool stream = false;
 #endif
@@ -1167,11 +1172,14 @@ std::optional<PlaneStrides> plane_strides(const at::Tensor& t) {
 
 // The channels-in-lanes kernel: same contract and task split as depthwise_impl, tasks of L channels,
 // the padded plane walked in bands of rows_per_band rows (the whole plane: one band). grad_output,
-// input and grad_input are each NCHW or channels-last (their PlaneStrides).
+// input and grad_input are each NCHW or channels-last (their PlaneStrides). `streaming`: whether a
+// grad_input of kStreamBytes or more goes out through staging with non-temporal stores (nullopt: as
+// streaming_stores() measured, asked only for such a grad_input).
 template <typename scalar_t>
 void depthwise_lanes_impl(
     const DirectProblem& p, int64_t rows_per_band, const scalar_t* go, const scalar_t* x, const scalar_t* w,
-    scalar_t* gi, scalar_t* gw, scalar_t* gb, PlaneStrides go_s, PlaneStrides x_s, PlaneStrides gi_s) {
+    scalar_t* gi, scalar_t* gw, scalar_t* gb, PlaneStrides go_s, PlaneStrides x_s, PlaneStrides gi_s,
+    std::optional<bool> streaming = std::nullopt) {
   using acc_t = acc_type<scalar_t>;
   constexpr int64_t L = Vec<acc_t>::size;
   const Plane g = make_plane(p, 1);
@@ -1194,7 +1202,8 @@ void depthwise_lanes_impl(
   const int64_t gi_bytes = gi ? p.batch * channels * in_plane * static_cast<int64_t>(sizeof(scalar_t)) : 0;
   if (gi) advise_huge_pages(gi, gi_bytes);
 #ifdef ATEN_OVERRIDE_AVX512
-  const bool stream = gi_bytes >= kStreamBytes && has_streaming() && gi_s.position == 1;
+  const bool stream = gi_bytes >= kStreamBytes && has_streaming() && gi_s.position == 1 &&
+      (streaming ? *streaming : streaming_stores().streaming);
 #else
   const bool stream = false;
 #endif
@@ -1294,7 +1303,63 @@ void depthwise_lanes_impl(
   });
 }
 
+// -1: measured; 0: ordinary stores; 1: streamed (set_streaming_stores).
+std::atomic<int> forced_streaming{-1};
+
 }  // namespace
+
+StreamingStores streaming_stores() {
+  static const StreamingStores measured = [] {
+    StreamingStores out;
+#ifdef ATEN_OVERRIDE_AVX512
+    if (!fused::has_streaming()) return out;
+    // grad_input alone of a 16-channel 3x3 stride-2 depthwise layer at 112x112 (MobileNetV2's layer.0),
+    // grad_input twice the L3, on one thread (task 0 of a parallel region), each way: the walk's own
+    // writes among its own reads.
+    DirectProblem p;
+    p.groups = 16, p.in_per_group = 1, p.out_per_group = 1;
+    p.in = {1, 112, 112}, p.out = {1, 56, 56}, p.kernel = {1, 3, 3}, p.stride = {1, 2, 2}, p.padding = {0, 1, 1};
+    const int64_t sample_bytes = p.groups * 112 * 112 * static_cast<int64_t>(sizeof(float));
+    p.batch = std::clamp<int64_t>(2 * cache_bytes(3), int64_t{64} << 20, int64_t{256} << 20) / sample_bytes;
+    const int64_t bands = band_rows(plane_rows(p), at::kFloat, band_budget());
+    const int64_t rows = bands > 0 ? bands : plane_rows(p).rows;
+    // Constant operands: a user's seeded random stream must not depend on whether this ran.
+    const at::Tensor go = at::full({p.batch, p.groups, 56, 56}, 0.5f), w = at::full({p.groups, 1, 3, 3}, 0.25f);
+    at::Tensor gi = at::zeros({p.batch, p.groups, 112, 112});  // its pages faulted in before any timed run
+    const PlaneStrides go_s{p.groups * 56 * 56, 56 * 56, 1}, gi_s{p.groups * 112 * 112, 112 * 112, 1}, none{0, 0, 0};
+    double best[2] = {INFINITY, INFINITY};
+    at::parallel_for(0, std::max(1, at::get_num_threads()), 1, [&](int64_t begin, int64_t) {
+      if (begin != 0) return;
+      for (int run = 0; run < 4; ++run) {
+        for (int i = 0; i < 2; ++i) {
+          const int way = run % 2 ? 1 - i : i;  // every other run in reverse order
+          const auto start = std::chrono::steady_clock::now();
+          depthwise_lanes_impl<float>(
+              p, rows, go.const_data_ptr<float>(), nullptr, w.const_data_ptr<float>(), gi.data_ptr<float>(), nullptr,
+              nullptr, go_s, none, gi_s, way == 1);
+          const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+          if (run > 0) best[way] = std::min(best[way], us);  // run 0 warms both up
+        }
+      }
+    });
+    out.direct_us = best[0];
+    out.streamed_us = best[1];
+    out.streaming = out.streamed_us < out.direct_us;
+#endif
+    return out;
+  }();
+  StreamingStores out = measured;
+  const int forced = forced_streaming.load(std::memory_order_relaxed);
+  if (forced >= 0) {
+    out.streaming = forced == 1 && out.direct_us > 0;
+    out.forced = true;
+  }
+  return out;
+}
+
+void set_streaming_stores(std::optional<bool> streaming) {
+  forced_streaming.store(streaming ? int(*streaming) : -1);
+}
 
 bool depthwise_lanes_fits(const DirectProblem& p, at::ScalarType dtype) {
   const PlaneRows r = plane_rows(p);

@@ -840,6 +840,51 @@ def test_winograd_gemm_engine_is_the_measured_faster_one():
     assert ext.winograd_gemm() == report
 
 
+def test_streaming_stores_are_the_measured_faster_way():
+    """How large grad_input outputs are written is measured once per process, on the kernel (a constant
+    had chosen non-temporal stores everywhere: on a Zen 3 VM they were the slower way), and forcing shows."""
+    ext = compiled.extension()
+    report = ext.streaming_stores()
+    assert not report["forced"]
+    if report["direct_us"] == 0:  # no streaming stores on this CPU: nothing measured, never streamed
+        assert report == {"streaming": False, "direct_us": 0.0, "streamed_us": 0.0, "forced": False}
+    else:
+        assert report["streamed_us"] > 0, report
+        assert report["streaming"] == (report["streamed_us"] < report["direct_us"]), report
+    try:
+        for way in (False, True):
+            ext.set_streaming_stores(way)
+            assert ext.streaming_stores() == {**report, "streaming": way and report["direct_us"] > 0, "forced": True}
+    finally:
+        ext.set_streaming_stores(None)
+    assert ext.streaming_stores() == report  # measured once per process
+    # In a fresh process the measurement must not draw from the default generator.
+    code = ("import torch; from aten_override.ops.convolution_backward import compiled; torch.manual_seed(0); "
+            "s = torch.random.get_rng_state(); compiled.extension().streaming_stores(); "
+            "print(torch.equal(s, torch.random.get_rng_state()))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("kernel,call", [p for p in CLAIMED if "streamed grad_input" in p.values[1]])
+def test_large_grad_input_is_the_same_written_either_way(kernel, call):
+    """A grad_input of 8 MiB or more, written with ordinary stores and through a staging buffer with
+    non-temporal stores (whichever this machine measured faster serves; both forced here): native's
+    values, and the same bits both ways."""
+    ext = compiled.extension()
+    args = CALLS[call]
+    results = []
+    try:
+        for way in (False, True):
+            ext.set_streaming_stores(way)
+            results.append(ext.run_kernel(kernel, *args))
+    finally:
+        ext.set_streaming_stores(None)
+    assert results[0][0].numel() * results[0][0].element_size() >= 8 << 20, "grad_input under the streaming bound"
+    check_against_native(results[1], call_native(args), float64_reference(args), output_mask=args[-1],
+                         where=f"{kernel} on {call}, streamed")
+    _assert_same_bits(results, f"{kernel} on {call}, ordinary stores (run 0) and streamed (run 1)")
+
+
 @pytest.mark.parametrize("call", ["3x3 p1 64->64 56x22 (ResNet-50 stage 1)", "3x3 p1 256->256 9x9 (one task)"])
 def test_winograd_gives_the_same_bits_at_any_thread_count(call, winograd_engine):
     """Threads take runs of tile chunks; grad_weight's partial sums are at most 32 runs of chunks, a
