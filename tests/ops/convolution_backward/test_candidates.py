@@ -758,7 +758,11 @@ def test_pointwise_bf16_non_finite_values_decline_or_match_native(bf16_dot, wher
             continue
         for o, n, wanted in zip(ours, call_native(call), mask):
             if wanted:
-                torch.testing.assert_close(o.float(), n.float(), equal_nan=True, rtol=2e-2, atol=2e-2)
+                # bfloat16's error scales with the result: native's own grad_weight, on a CPU without
+                # bfloat16 instructions (a Zen 3 VM), was 0.29 from float64 on a largest value of 83.5
+                finite = n.float()[n.float().isfinite()]
+                scale = finite.abs().max().item() if finite.numel() else 1.0
+                torch.testing.assert_close(o.float(), n.float(), equal_nan=True, rtol=2e-2, atol=2 ** -6 * scale)
     assert ext.run_kernel("pointwise-bf16", *(*args[:-1], [True, False, False])) is None or where != "weight"
 
 

@@ -30,6 +30,7 @@ float64, where native has no oneDNN path.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -260,6 +261,25 @@ MASKS = {"all": ((True, True, True), True), "weight": ((False, True, False), Fal
          "input-bias": ((True, False, True), True)}
 
 
+@functools.lru_cache(maxsize=None)
+def native_2d_transposed_channels_last_wrong() -> int:
+    """Of 20 calls, how many native got wrong on a float32 2-D transposed 1x1 layer, stride 2,
+    output_padding 1, channels-last (the 2-D call fold-2d makes of FOLD's "t-batch-...-op0x1x1"): on a
+    Zen 3 VM (AVX2, torch 2.13) 8 of 20 grad_weights were off by a quarter of their scale, at random;
+    contiguous was right, and so was every call on the AVX-512 machines this was written on."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 4, 3, 8, generator=g).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(4, 6, 1, 1, generator=g)
+    conv = ([2, 2], [0, 0], [1, 1], True, [1, 1], 1)
+    go = torch.randn(torch.ops.aten.convolution(x.double(), w.double(), None, *conv).shape, generator=g)
+    go = go.contiguous(memory_format=torch.channels_last)
+    args = (go, x, w, [6], *conv, [True, True, True])
+    expected = reference(args)
+    native = aten_override.original_kernel("cpu")
+    return sum(any((o.double() - e).abs().max().item() > 1e-3 * e.abs().max().item() for o, e in zip(native(*args), expected))
+               for _ in range(20))
+
+
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last_3d"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -273,6 +293,10 @@ def test_fold_2d_is_the_3d_call(name, dtype, layout, mask):
     if compiled.unavailable_reason() is not None:
         pytest.skip(compiled.unavailable_reason())
     size, kernel, stride, padding, dilation, groups, transposed, output_padding = FOLD[name]
+    if dtype == torch.float32 and transposed and any(output_padding) and native_2d_transposed_channels_last_wrong():
+        pytest.skip(f"fold-2d serves the 2-D call through native, whose float32 channels-last transposed path with "
+                    f"output_padding is wrong here at random ({native_2d_transposed_channels_last_wrong()} of 20 calls, "
+                    f"torch {torch.__version__}): a native defect to stand in for on this CPU")
     output_mask, bias = MASKS[mask]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 4, *size, generator=g).to(dtype)
@@ -431,7 +455,9 @@ def test_bfloat16_depthwise_dilated_grad_weight_is_right(name, backend):
     scale = expected.abs().max().item()
     transposed = args[7]
     results = _check_repeatable_and_right(args, backend, layer_class="dead-taps" if transposed else "depthwise")
-    if backend == "compiled" and not transposed:
+    if backend == "compiled" and not transposed and native_picks_onednn(args):
+        # (only on oneDNN's path: native's own bfloat16 path, on a CPU without bfloat16 instructions (a
+        # Zen 3 VM), is right here and serves as the reference)
         with pytest.raises(ValueError, match="native cannot compute this call"):
             compiled.extension().run_kernel("native", *args)
     for ours in results:
