@@ -149,7 +149,7 @@ def _original_result(keyset, aten_args: tuple, args: ConvolutionBackwardArgs) ->
     reason = native_defect_reason(
         device_type=args.device_type, dtype=go.dtype, transposed=args.transposed, input_size=list(x.shape[2:]),
         grad_output_size=list(go.shape[2:]), kernel=list(w.shape[2:]), stride=args.stride, padding=args.padding,
-        dilation=args.dilation, groups=int(args.groups), c_in=x.shape[1])
+        dilation=args.dilation, groups=int(args.groups), c_in=x.shape[1], c_out=go.shape[1])
     if reason is None:
         return _registration.call_original(keyset, aten_args), "original"
     up = tuple(a.double() if isinstance(a, torch.Tensor) else a for a in aten_args)

@@ -17,8 +17,10 @@ child, so a segfault does not end the sweep. Per call it records:
   padded regular 3-D layer with a dim shorter than its kernel (``args.padded_3d``; these three make
   ``args.onednn_defect``, bfloat16 / float16 only), a 3-D bfloat16 layer asking for grad_weight on
   a CPU with AMX-BF16 (``args.amx_3d_weight``), a dilated 2-D depthwise bfloat16 layer with
-  a channels-last input (``args.depthwise_dilated``), or a 3-D layer with no row meeting the whole kernel
-  in depth (``args.depth_without_full_row``, any dtype).
+  a channels-last input (``args.depthwise_dilated``), a 3-D layer with no row meeting the whole kernel
+  in depth (``args.depth_without_full_row``, any dtype), or a strided 1x1 channels-last layer whose oneDNN
+  source has under 8 channels where oneDNN runs its AVX2 kernels (``args.strided_1x1_avx2``, any dtype
+  but float64).
 
 Each defective call is then run on our backends (``--backends``; also in forked children): no
 crash, bit-for-bit repeatable, within ``tol`` of float64, native's dtype, shape and strides where
@@ -32,6 +34,12 @@ Not run by CI: a few thousand calls take minutes on one core. Example::
 show only on larger calls (``args.amx_3d_weight``: from about 1e5 input elements per depth slice)::
 
     PYTHONPATH=. python scripts/sweep_native_defects.py --calls 200 --dtypes bfloat16 --channels --max-size 64
+
+``--strided-1x1`` draws only 2-D 1x1 layers around ``args.strided_1x1_avx2`` (mostly strided, unpadded,
+ungrouped, channels-last, 1-24 source channels), and ``--threads 2`` runs each child at two threads,
+where that defect shows as a wrong ``grad_weight`` or a hang (at one thread: a corrupted heap)::
+
+    PYTHONPATH=. python scripts/sweep_native_defects.py --calls 300 --dtypes float32 --strided-1x1 --threads 2 --timeout 20
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from aten_override.ops.convolution_backward.args import (
     depth_without_full_row,
     padded_3d,
     depthwise_dilated,
+    strided_1x1_avx2,
     width_one_transposed,
 )
 
@@ -106,7 +115,8 @@ class Call:
     def condition(self) -> str:
         """Which condition our backends avoid native's oneDNN path on holds: ``dead-tap``,
         ``width-one``, ``padded-3d`` (``args.onednn_defect``, reduced precision), ``amx-3d-weight``,
-        ``depthwise-dilated`` (bfloat16), ``depth`` (any dtype) or ``none``."""
+        ``depthwise-dilated`` (bfloat16), ``depth`` (any dtype), ``strided-1x1`` (any dtype but float64)
+        or ``none``."""
         if depth_without_full_row(transposed=self.transposed, input_size=self.size, kernel=self.kernel,
                                   grad_output_size=self.output_size(), stride=self.stride, padding=self.padding,
                                   dilation=self.dilation):
@@ -123,12 +133,16 @@ class Call:
             return "amx-3d-weight"
         if depthwise_dilated(args):
             return "depthwise-dilated"
+        if strided_1x1_avx2(args):
+            return "strided-1x1"
         return "none"
 
     def covered(self, condition: str) -> bool:
         """Whether our backends avoid native's oneDNN path on this call (``condition()``)."""
         if condition in ("amx-3d-weight", "depthwise-dilated"):
             return self.dtype == "bfloat16"
+        if condition == "strided-1x1":
+            return self.dtype != "float64"
         return condition == "depth" or (condition != "none" and self.dtype in ("bfloat16", "float16"))
 
     def aten_args(self, dtype: torch.dtype | None = None, contiguous: bool = False, absolute: bool = False,
@@ -143,8 +157,10 @@ class Call:
         if meta:
             shapes = ((self.batch, self.c_out, *self.output_size()), (self.batch, self.c_in, *self.size), w_shape)
             go, x, w = (torch.empty(shape, dtype=own, device="meta") for shape in shapes)
-            if "i" in self.channels_last and self.dims > 1:
-                x = x.contiguous(memory_format=torch.channels_last if self.dims == 2 else torch.channels_last_3d)
+            if self.dims > 1:
+                fmt = torch.channels_last if self.dims == 2 else torch.channels_last_3d
+                x, w = (t.contiguous(memory_format=fmt) if key in self.channels_last else t
+                        for key, t in (("i", x), ("w", w)))
             return (go, x, w, [self.c_out], list(self.stride), list(self.padding), list(self.dilation),
                     self.transposed, list(self.output_padding), self.groups, list(self.output_mask))
         tensors = {
@@ -211,6 +227,34 @@ def draw(rng: random.Random, dtypes: list[str], max_size: int, channels: bool = 
             return call
 
 
+def draw_strided_1x1(rng: random.Random, dtypes: list[str], max_size: int) -> Call:
+    """A random valid 2-D 1x1 call around ``args.strided_1x1_avx2``: mostly strided, unpadded, ungrouped
+    and channels-last, its oneDNN source (a regular call's input, a transposed call's grad_output) of 1-24
+    channels per group."""
+    transposed = rng.random() < 0.5
+    groups = rng.choice([1, 1, 1, 2])
+    source, other = rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24]), rng.choice([1, 3, 5, 8, 16, 32])
+    c_in, c_out = ((other, source) if transposed else (source, other))
+    while True:
+        stride = tuple(rng.choice([1, 2, 2, 3]) for _ in range(2))
+        dilation = tuple(rng.choice([1] * 6 + [2]) for _ in range(2))
+        # the wrong calls found had a source of exactly stride x the other side in every dim: drawn often
+        exact = rng.random() < 0.6
+        size = tuple(s * rng.randint(1, max(1, max_size // s)) if exact and not transposed else
+                     rng.randint(2, max_size) for s in stride)
+        output_padding = tuple(
+            (s - 1 if exact else rng.randint(0, max(s, d) - 1)) if transposed else 0 for s, d in zip(stride, dilation))
+        call = Call(
+            dtype=rng.choice(dtypes), transposed=transposed, batch=rng.choice([1, 2, 4, 10]), c_in=groups * c_in,
+            c_out=groups * c_out, groups=groups, size=size, kernel=(1, 1), stride=stride,
+            padding=tuple(rng.choice([0] * 6 + [1]) for _ in range(2)), dilation=dilation,
+            output_padding=output_padding, channels_last=rng.choice(["i", "i", "ig", "iwg", "w", ""]),
+            output_mask=rng.choice([(True, True, True)] * 3 + [(True, False, True), (False, True, False)]),
+        )
+        if min(call.output_size()) >= 1:
+            return call
+
+
 def scribble(numels) -> None:
     """Leave freed blocks of these sizes (and some more) full of large values."""
     junk = [torch.full((n,), 1e4, dtype=torch.float32) for n in list(numels) * 4 + [4096] * 16]
@@ -260,13 +304,15 @@ def measure(call: Call, run, native_meta=None) -> dict:
     return report
 
 
-def in_child(function, timeout: int) -> dict:
-    """``function()``'s JSON-able result, run in a forked child; ``{"signal": n}`` if the child died."""
+def in_child(function, timeout: int, threads: int = 1) -> dict:
+    """``function()``'s JSON-able result, run in a forked child at ``threads`` threads; ``{"signal": n}`` if
+    the child died."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns
         os.close(read)
         signal.alarm(timeout)
+        torch.set_num_threads(threads)
         try:
             out = function()
         except Exception as e:  # noqa: BLE001 (reported, not swallowed)
@@ -296,7 +342,7 @@ def backend_run(backend: str):
     return run
 
 
-def check_backend(call: Call, backend: str, native_meta, timeout: int) -> dict:
+def check_backend(call: Call, backend: str, native_meta, timeout: int, threads: int = 1) -> dict:
     def child():
         aten_override.reset_stats()
         report = measure(call, backend_run(backend), native_meta)
@@ -305,7 +351,7 @@ def check_backend(call: Call, backend: str, native_meta, timeout: int) -> dict:
         report["classes"] = stats.get("compiled_layer_classes", {})
         report["fallback_reasons"] = stats["fallback_reasons"]
         return report
-    return in_child(child, timeout)
+    return in_child(child, timeout, threads)
 
 
 def defects(report: dict) -> list[str]:
@@ -332,6 +378,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-size", type=int, default=12, help="largest spatial size per dim (3-D: half)")
     parser.add_argument("--channels", action="store_true",
                         help="16-128 channels per group instead of 1-8 (with a larger --max-size: larger calls)")
+    parser.add_argument("--strided-1x1", action="store_true",
+                        help="draw only 2-D 1x1 layers around args.strided_1x1_avx2 (see the module's docstring)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="threads of each child (the parent forks before starting a thread pool)")
     parser.add_argument("--backends", default="compiled,python",
                         help="our backends to check on each defective call ('' for none)")
     parser.add_argument("--timeout", type=int, default=120, help="seconds per child before SIGALRM")
@@ -353,10 +403,11 @@ def main(argv=None) -> int:
     table = collections.Counter()  # (dtype, backend, condition, defect kind)
     uncovered, ours_failed, classes = [], [], collections.Counter()
     for n in range(args.calls):
-        call = draw(rng, dtypes, args.max_size, args.channels)
+        call = (draw_strided_1x1(rng, dtypes, args.max_size) if args.strided_1x1 else
+                draw(rng, dtypes, args.max_size, args.channels))
         backend = BACKEND_NAMES.get(call.native_backend(), "?")
         condition = call.condition()
-        native = in_child(lambda: measure(call, native_run), args.timeout)
+        native = in_child(lambda: measure(call, native_run), args.timeout, args.threads)
         found = defects(native)
         totals["calls"] += 1
         totals[condition] += 1
@@ -372,7 +423,7 @@ def main(argv=None) -> int:
                 print(f"[{n}] {call} backend={backend} condition={condition}: {'; '.join(found)}", flush=True)
             record["ours"] = {}
             for b in backends:
-                ours = check_backend(call, b, native.get("meta"), args.timeout)
+                ours = check_backend(call, b, native.get("meta"), args.timeout, args.threads)
                 record["ours"][b] = ours
                 bad = defects(ours)
                 if "signal" not in ours and "exception" not in ours:

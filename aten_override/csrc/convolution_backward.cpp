@@ -704,6 +704,57 @@ bool depthwise_dilated(const Args& a, const Expanded& e) {
   return e.dilation[0] > 1 || e.dilation[1] > 1;
 }
 
+// Whether oneDNN runs its AVX2 kernels here: a CPU with AVX2 but not all of AVX-512 F, BW, VL and DQ
+// (oneDNN's avx512_core; at::cpu::get_cpu_capabilities), or ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA
+// capping oneDNN at an AVX2 ISA (AVX2, AVX2_VNNI, AVX2_VNNI_2). Read once, as oneDNN reads them. Mirrors
+// args.onednn_avx2.
+bool onednn_avx2() {
+  static const bool yes = [] {
+    const auto caps = at::cpu::get_cpu_capabilities();
+    const auto has = [&caps](const char* name) {
+      const auto it = caps.find(name);
+      return it != caps.end() && it->second.isBool() && it->second.toBool();
+    };
+    const bool avx512_core = has("avx512_f") && has("avx512_bw") && has("avx512_vl") && has("avx512_dq");
+    if (!has("avx2")) return false;
+    for (const char* var : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {
+      const char* value = std::getenv(var);
+      if (value == nullptr) continue;
+      std::string isa(value);
+      for (auto& c : isa) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+      return isa.rfind("AVX2", 0) == 0 || !avx512_core;
+    }
+    return !avx512_core;
+  }();
+  return yes;
+}
+
+// Whether a 2-D call asks for grad_weight of an ungrouped, unpadded, strided 1x1 layer on channels-last
+// tensors (at::native::mkldnn_conv_use_channels_last) whose oneDNN source (a regular call's input, a
+// transposed call's grad_output) has fewer than 8 channels, where oneDNN runs its AVX2 kernels: there
+// 2.13's jit_avx2_1x1_convolution_bwd_weights_t, any dtype that reaches it (float32 on such CPUs), returns
+// a wrong grad_weight at two threads, hangs (an endless loop in it), or at one thread writes past a buffer
+// ("free(): invalid next size"). E.g. transposed input (2, 4, 8, 8) channels-last, weight (4, 6, 1, 1),
+// stride 2, output_padding 1: wrong in 8 of 8 calls (Zen 3, 2 threads); regular input (10, 4, 8, 8),
+// weight (6, 4, 1, 1), stride 2: 1-4 of 8. Found on a Zen 3 VM (AVX2 only) by sweeps of 1x1 layers
+// (scripts/sweep_native_defects.py --strided-1x1): every wrong or hanging call had a source of 1-7
+// channels, no padding, stride > 1, groups 1 and a source exactly stride x the other side in every dim
+// (a transposed call's output_padding = stride - 1, a regular call's input divisible); 8-24 channels,
+// padding 1, groups 2, contiguous tensors, 3-D layers and stride 1 were right. The predicate keeps the
+// wider set (any size). Mirrors args.strided_1x1_avx2.
+bool strided_1x1_avx2(const Args& a, const Expanded& e) {
+  if (e.dims != 2 || a.groups != 1 || !a.output_mask[1] || !strided(e)) return false;
+  if (a.weight.size(2) != 1 || a.weight.size(3) != 1 || e.padding[0] != 0 || e.padding[1] != 0) return false;
+  if ((a.transposed ? e.c_out : e.c_in) >= 8) return false;
+  return at::native::mkldnn_conv_use_channels_last(a.input, a.weight) && onednn_avx2();
+}
+
+// Whether native's oneDNN path is known wrong on this call in float32 too (so a stand-in computes in
+// float64): depth_without_full_row or strided_1x1_avx2.
+bool float32_defect(const Args& a, const Expanded& e) {
+  return depth_without_full_row(a, e) || strided_1x1_avx2(a, e);
+}
+
 // Whether 2.13's oneDNN convolutions are known wrong on this call in bfloat16 / float16. Mirrors
 // args.onednn_defect.
 bool onednn_defect(const Args& a, const Expanded& e) {
@@ -712,13 +763,13 @@ bool onednn_defect(const Args& a, const Expanded& e) {
 }
 
 // Whether native would serve the call on a oneDNN path known to be wrong there, or to crash: a CPU
-// float32 call whose depth has no full row, or a bfloat16 / float16 one with a oneDNN defect, that
-// native hands to oneDNN. The backend is asked only where a predicate holds.
+// call with a float32_defect (any dtype but float64), or a bfloat16 / float16 one with a oneDNN defect,
+// that native hands to oneDNN. The backend is asked only where a predicate holds.
 bool native_defective(const Args& a, const Expanded& e) {
   const auto dtype = a.grad_output.scalar_type();
   const bool reduced = dtype == at::kBFloat16 || dtype == at::kHalf;
   if (!a.grad_output.is_cpu() || dtype == at::kDouble ||
-      !((reduced && onednn_defect(a, e)) || depth_without_full_row(a, e))) {
+      !((reduced && onednn_defect(a, e)) || float32_defect(a, e))) {
     return false;
   }
   const auto backend = native_backend(a);
@@ -1437,7 +1488,7 @@ std::optional<Result> run_kernel(Kernel k, const Args& a, const Expanded& e) {
     case Kernel::Zeros: return empty_backward(a, e);
     case Kernel::Sum:
       return Result{at::Tensor(), at::Tensor(), a.output_mask[2] ? grad_bias(a.grad_output) : at::Tensor()};
-    case Kernel::Upcast: return upcast_backward(a, depth_without_full_row(a, e) ? at::kDouble : at::kFloat);
+    case Kernel::Upcast: return upcast_backward(a, float32_defect(a, e) ? at::kDouble : at::kFloat);
     case Kernel::Fold2d: return fold_2d_backward(a, e);
     case Kernel::LiveTaps: return live_taps_backward(a, e);
     case Kernel::DepthwisePlane:
@@ -2051,15 +2102,18 @@ std::pair<Choice, Result> choose_and_run(const Args& a, const Expanded& e, Layer
 
 // The call a dead-taps call stands on (its upcast copies, the 2-D call it folds into, or the call
 // without its dead taps), served like any call (the upcast's class cannot be dead-taps again: float32
-// only where depth_without_full_row does not hold, float64 never; the folded call is 2-D, with the
-// 3-D call's taps; the call without dead taps is dead-taps only where it folds), but counted as part
+// only where float32_defect does not hold, float64 never; the folded call is 2-D, with the 3-D call's
+// taps, dead-taps only where float32_defect holds (strided_1x1_avx2), whose upcast is float64; the call
+// without dead taps is dead-taps only where it folds), but counted as part
 // of the outer call: stats() and the tracer name the outer call's class and kernel ("upcast",
 // "fold-2d", "live-taps"; its tuning record, when it tuned, is this computation's).
 Result serve_derived_call(const Args& f) {
   const Expanded e = check_args(f);
   const LayerClass cls = classify(f, e);
-  TORCH_INTERNAL_ASSERT(cls != LayerClass::DeadTaps || defect_stand_in(f, e) == Kernel::Fold2d,
-                        "convolution_backward[compiled]: derived call is dead-taps again");
+  TORCH_INTERNAL_ASSERT(
+      cls != LayerClass::DeadTaps || defect_stand_in(f, e) == Kernel::Fold2d ||
+          (float32_defect(f, e) && f.grad_output.scalar_type() != at::kDouble),
+      "convolution_backward[compiled]: derived call is dead-taps again");
   return choose_and_run(f, e, cls).second;
 }
 

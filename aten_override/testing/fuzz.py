@@ -305,7 +305,7 @@ def convolution_backward_cases(draw, device: str = "cpu", dtypes: Sequence[torch
         if native_defect_reason(
             device_type=torch.device(device).type, dtype=dtype, transposed=transposed, input_size=spatial_in,
             grad_output_size=spatial_out, kernel=kernel, stride=stride, padding=padding, dilation=dilation,
-            groups=groups, c_in=c_in,
+            groups=groups, c_in=c_in, c_out=c_out,
         ) is None:
             break
     return ConvolutionBackwardCase(

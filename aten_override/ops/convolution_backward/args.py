@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 
 import torch
@@ -45,6 +46,8 @@ __all__ = [
     "depthwise_dilated",
     "cpu_has_amx_bf16",
     "depth_without_full_row",
+    "onednn_avx2",
+    "strided_1x1_avx2",
     "native_defect_reason",
 ]
 
@@ -236,6 +239,57 @@ def depthwise_dilated(args: ConvolutionBackwardArgs) -> bool:
             and 1 < a.groups == a.input.shape[1]
             and suggest_memory_format(a.input) == torch.channels_last
             and any(d > 1 for d in a.dilation))
+
+
+@functools.cache
+def onednn_avx2() -> bool:
+    """Whether oneDNN runs its AVX2 kernels here: a CPU with AVX2 but not all of AVX-512 F, BW, VL and
+    DQ (oneDNN's ``avx512_core``; ``torch._C._cpu._get_cpu_capability()``), or ``ONEDNN_MAX_CPU_ISA`` /
+    ``DNNL_MAX_CPU_ISA`` capping oneDNN at an AVX2 ISA (``AVX2``, ``AVX2_VNNI``, ``AVX2_VNNI_2``). Read
+    once, as oneDNN reads them. Mirrors ``onednn_avx2`` in csrc/convolution_backward.cpp."""
+    caps = torch._C._cpu._get_cpu_capability()
+    avx512_core = all(caps.get(f"avx512_{x}", False) for x in ("f", "bw", "vl", "dq"))
+    if not caps.get("avx2", False):
+        return False
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        if var in os.environ:
+            return os.environ[var].upper().startswith("AVX2") or not avx512_core
+    return not avx512_core
+
+
+def _strided_1x1_avx2(*, transposed: bool, kernel, stride, padding, groups: int, c_in: int, c_out: int) -> bool:
+    """:func:`strided_1x1_avx2` from sizes, whatever the layout and ``output_mask``."""
+    return (len(kernel) == 2 and int(groups) == 1 and all(int(k) == 1 for k in kernel)
+            and all(int(p) == 0 for p in _expand(padding, 2)) and any(int(s) > 1 for s in _expand(stride, 2))
+            and (c_out if transposed else c_in) < 8 and onednn_avx2())
+
+
+def strided_1x1_avx2(args: ConvolutionBackwardArgs) -> bool:
+    """Whether a 2-D call asks for ``grad_weight`` of an ungrouped, unpadded, strided 1x1 layer on
+    channels-last tensors (``input`` or ``weight`` channels-last, upstream's
+    ``mkldnn_conv_use_channels_last``; never float64) whose oneDNN source (a regular call's ``input``, a
+    transposed call's ``grad_output``) has fewer than 8 channels, where oneDNN runs its AVX2 kernels
+    (:func:`onednn_avx2`).
+
+    There torch 2.13's ``jit_avx2_1x1_convolution_bwd_weights_t`` (float32 reaches it on such CPUs)
+    returns a wrong ``grad_weight`` at two threads, hangs in an endless loop, or at one thread writes
+    past a buffer (``free(): invalid next size``): e.g. transposed ``input (2, 4, 8, 8)`` channels-last,
+    ``weight (4, 6, 1, 1)``, stride 2, ``output_padding`` 1, wrong in 8 of 8 calls (Zen 3, two threads);
+    regular ``input (10, 4, 8, 8)``, ``weight (6, 4, 1, 1)``, stride 2, 1-4 of 8. Found on a Zen 3 VM
+    (AVX2 only; ``scripts/sweep_native_defects.py --strided-1x1``): every wrong or hanging call had a
+    source of 1-7 channels, no padding, stride > 1, groups 1 and a source exactly stride x the other
+    side in every dim; 8-24 channels, padding 1, groups 2, contiguous tensors, 3-D layers and stride 1
+    were right. The predicate keeps the wider set (any size). Mirrors ``strided_1x1_avx2`` in
+    csrc/convolution_backward.cpp.
+    """
+    a = args.expanded()
+    if not (a.weight.dim() == 4 and bool(a.output_mask[1])):
+        return False
+    if not _strided_1x1_avx2(transposed=a.transposed, kernel=a.weight.shape[2:], stride=a.stride,
+                             padding=a.padding, groups=a.groups, c_in=a.input.shape[1], c_out=a.c_out):
+        return False
+    channels_last = any(suggest_memory_format(t) == torch.channels_last for t in (a.input, a.weight))
+    return channels_last and torch.float64 not in (a.input.dtype, a.weight.dtype) and not a.input.is_mkldnn
 
 
 def onednn_defect(args: ConvolutionBackwardArgs) -> bool:
@@ -507,7 +561,8 @@ def empty_like_native(
 
 
 def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_size, grad_output_size, kernel,
-                         stride, padding, dilation, groups: int = 1, c_in: int | None = None) -> str | None:
+                         stride, padding, dilation, groups: int = 1, c_in: int | None = None,
+                         c_out: int | None = None) -> str | None:
     """Why the original kernel's result cannot be the reference for this call, or ``None``.
 
     Found on torch 2.13.0+cpu, x86 (tests/ops/convolution_backward/test_native_defects.py): for
@@ -523,7 +578,10 @@ def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_siz
     corrupted heap has aborted a test process after one; on a CPU with AMX-BF16, 3-D bfloat16 layers
     get a wrong ``grad_weight`` (:func:`amx_3d_weight`), and so do dilated 2-D depthwise
     bfloat16 layers with a channels-last input (:func:`depthwise_dilated`; any layout
-    here, where ``groups`` and ``c_in`` are given). A crash or garbage cannot be compared against, so
+    here, where ``groups`` and ``c_in`` are given). Where oneDNN runs its AVX2 kernels, strided 1x1
+    layers whose oneDNN source has under 8 channels get a wrong ``grad_weight``, a hang or a corrupted
+    heap in float32 too (:func:`strided_1x1_avx2`; any layout here, where ``c_in`` and ``c_out`` are
+    given). A crash or garbage cannot be compared against, so
     the fuzzer draws these calls in
     float32, or float64 where float32 is affected too.
     """
@@ -533,6 +591,12 @@ def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_siz
                               kernel=kernel, stride=stride, padding=padding, dilation=dilation):
         return ("the original CPU kernel computes wrong gradients, hangs or corrupts the heap on 3-D layers with "
                 "padding > stride in depth and no row there meeting the whole kernel (oneDNN, torch 2.13)")
+    if c_in is not None and c_out is not None and _strided_1x1_avx2(
+            transposed=transposed, kernel=kernel, stride=stride, padding=padding, groups=groups, c_in=c_in,
+            c_out=c_out):
+        return ("the original CPU kernel's grad_weight is wrong, or it hangs or corrupts the heap, on strided 1x1 "
+                "channels-last layers whose oneDNN source has under 8 channels where oneDNN runs its AVX2 kernels "
+                "(torch 2.13; args.strided_1x1_avx2; counted here whatever the layout)")
     if dtype not in (torch.float16, torch.bfloat16):
         return None
     if any(dead_taps(transposed=transposed, input_size=input_size, grad_output_size=grad_output_size, kernel=kernel,
