@@ -1,5 +1,8 @@
 """aten_override._machine: the CPU description and the header every benchmark prints."""
 
+import types
+
+import pytest
 import torch
 
 from aten_override import _machine
@@ -24,6 +27,34 @@ def test_header_with_given_peaks_measures_nothing():
 def test_measure_flops_is_positive():
     rates = _machine.measure_flops(torch.float32, min_run_time=0.01, repeats=1)
     assert set(rates) == set(_machine.FLOP_PROBES) and all(r > 0 for r in rates.values())
+
+
+@pytest.mark.parametrize("eighth_s, autoranged", [(0.5, False), (0.001, True)])
+def test_a_probe_slower_than_slow_call_s_is_timed_by_one_call_on_an_eighth(monkeypatch, eighth_s, autoranged):
+    """bfloat16 torch.mm 2048x2048 on a CPU without bfloat16 instructions takes 20-50 s a call: where one
+    call on an eighth of the problem shows the whole would take over slow_call_s, that eighth's rate is
+    the probe's; else the whole problem is autoranged ``repeats`` times."""
+    calls = []
+
+    class Timer:
+        def __init__(self, stmt, globals, num_threads):
+            self.rows = globals["a"].shape[0]
+
+        def timeit(self, number):
+            calls.append(("timeit", self.rows, number))
+            return types.SimpleNamespace(median=eighth_s)
+
+        def blocked_autorange(self, min_run_time):
+            calls.append(("autorange", self.rows, min_run_time))
+            return types.SimpleNamespace(median=eighth_s * 4)
+
+    monkeypatch.setattr(_machine.benchmark, "Timer", Timer)
+    monkeypatch.setattr(_machine, "FLOP_PROBES", {"mm": ("torch.mm(a, b)", ((64, 2), (2, 2)), 64.0)})
+    rates = _machine.measure_flops(torch.bfloat16, min_run_time=0.1, repeats=3, slow_call_s=1.0)
+    if autoranged:  # 0.001 s an eighth: the whole ~0.008 s
+        assert calls == [("timeit", 8, 1)] + [("autorange", 64, 0.1)] * 3 and rates == {"mm": 64.0 / (eighth_s * 4)}
+    else:  # 0.5 s an eighth: the whole ~4 s
+        assert calls == [("timeit", 8, 1)] and rates == {"mm": 64.0 / 8 / eighth_s}
 
 
 def test_header_shows_every_probe_of_a_measured_peak():
