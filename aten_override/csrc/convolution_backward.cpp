@@ -743,7 +743,8 @@ bool onednn_avx2() {
 // padding 1, groups 2, contiguous tensors, 3-D layers and stride 1 were right. The predicate keeps the
 // wider set (any size). Mirrors args.strided_1x1_avx2.
 bool strided_1x1_avx2(const Args& a, const Expanded& e) {
-  if (e.dims != 2 || a.groups != 1 || !a.output_mask[1] || !strided(e)) return false;
+  // upstream's mkldnn_convolution_backward runs the weight-gradient primitive for grad_bias too
+  if (e.dims != 2 || a.groups != 1 || !(a.output_mask[1] || a.output_mask[2]) || !strided(e)) return false;
   if (a.weight.size(2) != 1 || a.weight.size(3) != 1 || e.padding[0] != 0 || e.padding[1] != 0) return false;
   if ((a.transposed ? e.c_out : e.c_in) >= 8) return false;
   return at::native::mkldnn_conv_use_channels_last(a.input, a.weight) && onednn_avx2();

@@ -283,7 +283,8 @@ def strided_1x1_avx2(args: ConvolutionBackwardArgs) -> bool:
     csrc/convolution_backward.cpp.
     """
     a = args.expanded()
-    if not (a.weight.dim() == 4 and bool(a.output_mask[1])):
+    # upstream's mkldnn_convolution_backward runs the weight-gradient primitive for grad_bias too
+    if not (a.weight.dim() == 4 and (bool(a.output_mask[1]) or bool(a.output_mask[2]))):
         return False
     if not _strided_1x1_avx2(transposed=a.transposed, kernel=a.weight.shape[2:], stride=a.stride,
                              padding=a.padding, groups=a.groups, c_in=a.input.shape[1], c_out=a.c_out):

@@ -873,7 +873,7 @@ STRIDED_1X1 = {
 # What makes a call right: each changes one thing of a STRIDED_1X1 call (`channels`: the oneDNN source's)
 STRIDED_1X1_RIGHT = {
     "contiguous": dict(channels_last=False), "8-channels": dict(channels=8), "padding-1": dict(padding=1),
-    "stride-1": dict(stride=(1, 1)), "groups-2": dict(groups=2), "no-grad-weight": dict(output_mask=(True, False, True)),
+    "stride-1": dict(stride=(1, 1)), "groups-2": dict(groups=2), "grad-input-only": dict(output_mask=(True, False, False)),
     "float64": dict(dtype=torch.float64),
 }
 
