@@ -668,14 +668,17 @@ bool padded_3d(const Args& a, const Expanded& e) {
   return padded && short_dim;
 }
 
-// Whether the CPU has AMX-BF16 (at::cpu::get_cpu_capabilities, cpuinfo's reading of CPUID). Mirrors
-// args.cpu_has_amx_bf16.
+// Whether the CPU has the capability `name` (at::cpu::get_cpu_capabilities' key, cpuinfo's reading of
+// CPUID: "avx2", "avx512_f", "amx_bf16", ...). Mirrors args.cpu_capability.
+bool cpu_capability(const char* name) {
+  const auto caps = at::cpu::get_cpu_capabilities();
+  const auto it = caps.find(name);
+  return it != caps.end() && it->second.isBool() && it->second.toBool();
+}
+
+// Whether the CPU has AMX-BF16. Mirrors args.cpu_has_amx_bf16.
 bool cpu_has_amx_bf16() {
-  static const bool has = [] {
-    const auto caps = at::cpu::get_cpu_capabilities();
-    const auto it = caps.find("amx_bf16");
-    return it != caps.end() && it->second.isBool() && it->second.toBool();
-  }();
+  static const bool has = cpu_capability("amx_bf16");
   return has;
 }
 
@@ -710,13 +713,9 @@ bool depthwise_dilated(const Args& a, const Expanded& e) {
 // args.onednn_avx2.
 bool onednn_avx2() {
   static const bool yes = [] {
-    const auto caps = at::cpu::get_cpu_capabilities();
-    const auto has = [&caps](const char* name) {
-      const auto it = caps.find(name);
-      return it != caps.end() && it->second.isBool() && it->second.toBool();
-    };
-    const bool avx512_core = has("avx512_f") && has("avx512_bw") && has("avx512_vl") && has("avx512_dq");
-    if (!has("avx2")) return false;
+    const bool avx512_core = cpu_capability("avx512_f") && cpu_capability("avx512_bw") &&
+                             cpu_capability("avx512_vl") && cpu_capability("avx512_dq");
+    if (!cpu_capability("avx2")) return false;
     for (const char* var : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {
       const char* value = std::getenv(var);
       if (value == nullptr) continue;

@@ -201,10 +201,16 @@ def padded_3d(args: ConvolutionBackwardArgs) -> bool:
 
 
 @functools.cache
+def cpu_capability(name: str) -> bool:
+    """Whether this CPU has the capability ``name`` (a key of ``torch._C._cpu._get_cpu_capability()``,
+    cpuinfo's reading of CPUID: ``"avx2"``, ``"avx512_f"``, ``"amx_bf16"``, ...). Mirrors
+    ``cpu_capability`` in csrc/convolution_backward.cpp."""
+    return bool(torch._C._cpu._get_cpu_capability().get(name, False))
+
+
 def cpu_has_amx_bf16() -> bool:
-    """Whether this CPU has AMX-BF16 (``torch._C._cpu._get_cpu_capability()``, cpuinfo's reading of
-    CPUID). Mirrors ``cpu_has_amx_bf16`` in csrc/convolution_backward.cpp."""
-    return bool(torch._C._cpu._get_cpu_capability().get("amx_bf16", False))
+    """Whether this CPU has AMX-BF16. Mirrors ``cpu_has_amx_bf16`` in csrc/convolution_backward.cpp."""
+    return cpu_capability("amx_bf16")
 
 
 def amx_3d_weight(args: ConvolutionBackwardArgs) -> bool:
@@ -247,9 +253,8 @@ def onednn_avx2() -> bool:
     DQ (oneDNN's ``avx512_core``; ``torch._C._cpu._get_cpu_capability()``), or ``ONEDNN_MAX_CPU_ISA`` /
     ``DNNL_MAX_CPU_ISA`` capping oneDNN at an AVX2 ISA (``AVX2``, ``AVX2_VNNI``, ``AVX2_VNNI_2``). Read
     once, as oneDNN reads them. Mirrors ``onednn_avx2`` in csrc/convolution_backward.cpp."""
-    caps = torch._C._cpu._get_cpu_capability()
-    avx512_core = all(caps.get(f"avx512_{x}", False) for x in ("f", "bw", "vl", "dq"))
-    if not caps.get("avx2", False):
+    avx512_core = all(cpu_capability(f"avx512_{x}") for x in ("f", "bw", "vl", "dq"))
+    if not cpu_capability("avx2"):
         return False
     for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
         if var in os.environ:
