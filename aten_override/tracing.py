@@ -55,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _registration
 from .ops.convolution_backward.args import (
     ConvolutionBackwardArgs,
+    canonical_call,
     empty_like_native,
     native_backend,
     native_defect_reason,
@@ -141,19 +142,25 @@ class Verification:
 
 
 def _original_result(keyset, aten_args: tuple, args: ConvolutionBackwardArgs) -> tuple[tuple, str]:
-    """The original kernel's result for ``verify`` and what it is (``Verification.reference``). Where
-    the original kernel is known to crash, hang or be wrong on the call (torch 2.13's oneDNN defects:
-    ``args.native_defect_reason``), it runs on float64 copies instead and its result is
-    rounded into the strides and dtype it gives the call (``args.empty_like_native``)."""
+    """The original kernel's result for ``verify`` and what it is (``Verification.reference``).
+
+    Where the original kernel is known to crash, hang or be wrong on the call, it runs on a stand-in
+    and its result is laid out in the strides and dtype it gives the call (``args.empty_like_native``):
+    on float64 copies for torch 2.13's oneDNN defects (``args.native_defect_reason``), and on the same
+    values with canonical strides where a size-1 dim has an odd stride (``args.canonical_call``: the
+    grouped channels-last ``grad_weight`` reads it)."""
     go, x, w = args.grad_output, args.input, args.weight
     reason = native_defect_reason(
         device_type=args.device_type, dtype=go.dtype, transposed=args.transposed, input_size=list(x.shape[2:]),
         grad_output_size=list(go.shape[2:]), kernel=list(w.shape[2:]), stride=args.stride, padding=args.padding,
         dilation=args.dilation, groups=int(args.groups), c_in=x.shape[1], c_out=go.shape[1])
-    if reason is None:
+    canonical = canonical_call(args)
+    if reason is None and canonical is args:
         return _registration.call_original(keyset, aten_args), "original"
-    up = tuple(a.double() if isinstance(a, torch.Tensor) else a for a in aten_args)
-    gi, gw, gb = _registration.call_original(keyset, up)
+    run = canonical.as_aten_args()
+    if reason is not None:
+        run = tuple(a.double() if isinstance(a, torch.Tensor) else a for a in run)
+    gi, gw, gb = _registration.call_original(keyset, run)
     backend = native_backend(args)
     fmt = output_memory_format(args, backend)
     if gi is not None:
@@ -162,7 +169,9 @@ def _original_result(keyset, aten_args: tuple, args: ConvolutionBackwardArgs) ->
         gw = empty_like_native(w, fmt, backend).copy_(gw)
     if gb is not None:
         gb = gb.to(go.dtype)
-    return (gi, gw, gb), f"the original kernel in float64: {reason}"
+    stand_ins = ([f"in float64: {reason}"] if reason is not None else []) + (
+        [] if canonical is args else ["on canonical strides of size-1 dims (args.canonical_call)"])
+    return (gi, gw, gb), "the original kernel " + "; ".join(stand_ins)
 
 
 @dataclasses.dataclass

@@ -903,6 +903,97 @@ at::Tensor empty_like_native_weight(const at::Tensor& weight, const OutputLayout
   return one_d ? out.squeeze(2) : out;
 }
 
+// The strides at::empty(sizes, fmt) gives, with no allocation (contiguous strides count a size-0 dim as
+// 1, c10's get_channels_last_strides_2d / _3d as 0). Mirrors args.canonical_strides.
+std::vector<int64_t> canonical_strides(at::IntArrayRef sizes, at::MemoryFormat fmt) {
+  const int64_t dims = static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> order;  // innermost dim first
+  if (fmt == at::MemoryFormat::ChannelsLast) order = {1, 3, 2, 0};
+  else if (fmt == at::MemoryFormat::ChannelsLast3d) order = {1, 4, 3, 2, 0};
+  const bool channels_last = !order.empty();
+  if (!channels_last) for (int64_t d = dims - 1; d >= 0; --d) order.push_back(d);
+  std::vector<int64_t> strides(dims);
+  int64_t step = 1;
+  for (const int64_t d : order) {
+    strides[d] = step;
+    step *= channels_last ? sizes[d] : std::max<int64_t>(sizes[d], 1);
+  }
+  return strides;
+}
+
+// t, or a view of the same elements whose size-1 dims carry canonical_strides', where t is contiguous
+// in a memory format (`preferred` first, then contiguous, then the channels-last format of its dims)
+// and only those strides differ (no copy: a size-1 dim's stride never moves a pointer). torch counts
+// such a tensor as contiguous and ordinary code makes them (a batch of one from an HWC image,
+// hwc.permute(2, 0, 1).unsqueeze(0): strides (C, 1, W*C, C)); 2.13's grouped channels-last grad_weight
+// reads the odd stride and is off by more than its scale (float64, bfloat16). Mirrors
+// args.canonical_size1_strides.
+at::Tensor canonical_size1_strides(const at::Tensor& t, at::MemoryFormat preferred) {
+  if (t.numel() == 0) return t;
+  const int64_t dims = t.dim();
+  const auto own = dims == 4 ? at::MemoryFormat::ChannelsLast
+      : dims == 5            ? at::MemoryFormat::ChannelsLast3d
+                             : at::MemoryFormat::Contiguous;
+  for (const auto fmt : {preferred, at::MemoryFormat::Contiguous, own}) {
+    const int64_t fmt_dims = fmt == at::MemoryFormat::ChannelsLast ? 4 : fmt == at::MemoryFormat::ChannelsLast3d ? 5 : dims;
+    if (fmt_dims != dims || !t.is_contiguous(fmt)) continue;
+    const std::vector<int64_t> strides = canonical_strides(t.sizes(), fmt);
+    return t.strides().equals(strides) ? t : t.as_strided(t.sizes(), strides, t.storage_offset());
+  }
+  return t;
+}
+
+// The call's grad_output, input and weight as canonical_size1_strides views, preferring the memory format
+// upstream gives its outputs; `changed` says whether any differs. The same values: a caller computes
+// on them and lays the results out as upstream lays out the original call (restriding can change that
+// layout: an odd stride can decide suggest_memory_format, and weight's own strides survive into the THNN
+// paths' grad_weight). Mirrors args.canonical_call.
+struct CanonicalTensors {
+  at::Tensor grad_output, input, weight;
+  bool changed;
+};
+
+CanonicalTensors canonical_call(const Args& a) {
+  const at::MemoryFormat fmt = output_layout(a).fmt;
+  CanonicalTensors c{canonical_size1_strides(a.grad_output, fmt), canonical_size1_strides(a.input, fmt),
+                     canonical_size1_strides(a.weight, fmt), false};
+  c.changed = !c.grad_output.is_same(a.grad_output) || !c.input.is_same(a.input) || !c.weight.is_same(a.weight);
+  return c;
+}
+
+// Whether canonical_call can change the call: one of its tensors is contiguous in the contiguous format
+// or in the channels-last format of its dims, with strides other than canonical_strides' for it. Cheap
+// (is_contiguous is a cached flag; only tensors with a size-1 dim are looked at), so calls without an odd
+// stride skip canonical_call's select_conv_backend.
+bool has_odd_size1_stride(const Args& a) {
+  for (const at::Tensor* t : {&a.grad_output, &a.input, &a.weight}) {
+    const auto sizes = t->sizes();
+    if (t->numel() == 0 || std::find(sizes.begin(), sizes.end(), 1) == sizes.end()) continue;
+    const int64_t dims = t->dim();
+    for (const auto fmt : {at::MemoryFormat::Contiguous, dims == 4 ? at::MemoryFormat::ChannelsLast
+                                                         : dims == 5 ? at::MemoryFormat::ChannelsLast3d
+                                                                     : at::MemoryFormat::Contiguous}) {
+      if (t->is_contiguous(fmt) && !t->strides().equals(canonical_strides(sizes, fmt))) return true;
+    }
+  }
+  return false;
+}
+
+// result's grad_input / grad_weight in the strides upstream gives the call `a` (copied where they differ).
+void lay_out_as_native(const Args& a, Result& result) {
+  const OutputLayout layout = output_layout(a);
+  at::Tensor& gi = std::get<0>(result);
+  if (gi.defined()) {
+    at::Tensor out = empty_like_native(a.input.sizes(), gi.options(), layout.fmt);
+    if (out.strides() != gi.strides()) gi = out.copy_(gi);
+  }
+  at::Tensor& gw = std::get<1>(result);
+  if (gw.defined()) {
+    at::Tensor out = empty_like_native_weight(a.weight, layout);
+    if (out.strides() != gw.strides()) gw = out.copy_(gw);
+  }
+}
+
 DirectProblem direct_problem(const Args& a, const Expanded& e) {
   DirectProblem p;
   p.batch = a.input.size(0);
@@ -2320,8 +2411,24 @@ std::optional<Result> serve_rescaled(const Args& a, const Expanded& e, LayerClas
   return result;
 }
 
-// The compiled backend's result for a call it serves (unsupported_reason() was nullopt).
+Result compiled_backward_canonical(const Args& a);
+
+// The compiled backend's result for a call it serves (unsupported_reason() was nullopt): computed on
+// canonical_call's views where the call has an odd size-1 stride, laid out as upstream lays out the call.
 Result compiled_backward(const Args& a) {
+  if (!has_odd_size1_stride(a)) return compiled_backward_canonical(a);
+  check_args(a);  // errors name the call as given
+  const CanonicalTensors c = canonical_call(a);
+  if (!c.changed) return compiled_backward_canonical(a);
+  const Args canonical{c.grad_output, c.input, c.weight, a.bias_sizes, a.stride, a.padding, a.dilation, a.transposed,
+                       a.output_padding, a.groups, a.output_mask};
+  Result result = compiled_backward_canonical(canonical);
+  lay_out_as_native(a, result);
+  return result;
+}
+
+// compiled_backward of a call on canonical size-1 strides.
+Result compiled_backward_canonical(const Args& a) {
   const Expanded e = check_args(a);
   const LayerClass cls = classify(a, e);
   counters().layer_class[static_cast<int>(cls)].fetch_add(1, std::memory_order_relaxed);

@@ -35,7 +35,7 @@ import torch.utils.deterministic
 from .. import original_kernel, reset_stats, stats as backend_stats
 from ..backends import ATEN_IMPL, Implementation
 from ..context import enable
-from ..ops.convolution_backward.args import ConvolutionBackwardArgs
+from ..ops.convolution_backward.args import ConvolutionBackwardArgs, canonical_call
 from .skips import SKIPS
 
 __all__ = [
@@ -60,14 +60,23 @@ _OP = torch.ops.aten.convolution_backward.default
 
 
 def call_native(aten_args: Sequence, device_type: str | None = None):
-    """The original kernel (``aten_override.original_kernel``) on ``aten_args``."""
-    device_type = device_type or aten_args[0].device.type
-    return tuple(original_kernel(device_type)(*aten_args))
+    """The original kernel (``aten_override.original_kernel``) on ``aten_args``: its dtypes, shapes
+    and strides. Where a tensor has a size-1 dim with an odd stride (``args.canonical_call``), whose
+    stride torch 2.13's grouped channels-last ``grad_weight`` reads, the values are the original
+    kernel's on the canonical views."""
+    kernel = original_kernel(device_type or aten_args[0].device.type)
+    outputs = tuple(kernel(*aten_args))
+    args = ConvolutionBackwardArgs(*aten_args)
+    canonical = canonical_call(args)
+    if canonical is args:
+        return outputs
+    return tuple(o if o is None else o.copy_(r) for o, r in zip(outputs, kernel(*canonical.as_aten_args())))
 
 
 def float64_reference(aten_args: Sequence):
-    """The original kernel on float64 copies of ``grad_output``, ``input`` and ``weight``."""
-    go, x, w, *rest = aten_args
+    """The original kernel on float64 copies of ``grad_output``, ``input`` and ``weight`` (of their
+    canonical views, ``args.canonical_call``)."""
+    go, x, w, *rest = canonical_call(ConvolutionBackwardArgs(*aten_args)).as_aten_args()
     return call_native((go.double(), x.double(), w.double(), *rest))
 
 

@@ -36,6 +36,9 @@ __all__ = [
     "native_backend",
     "output_memory_format",
     "empty_like_native",
+    "canonical_strides",
+    "canonical_size1_strides",
+    "canonical_call",
     "expected_output_spatial",
     "dead_taps",
     "has_dead_tap",
@@ -564,6 +567,63 @@ def empty_like_native(
     else:
         out = torch.empty(t.shape, dtype=dtype, device=t.device, memory_format=memory_format)
     return out.squeeze(2) if one_d else out
+
+
+# Dims from innermost to outermost of each memory format (contiguous: the last dim first).
+_FORMAT_ORDER = {torch.channels_last: (1, 3, 2, 0), torch.channels_last_3d: (1, 4, 3, 2, 0)}
+_FORMAT_DIMS = {torch.channels_last: 4, torch.channels_last_3d: 5}
+
+
+def canonical_strides(shape: Sequence[int], memory_format: torch.memory_format) -> tuple[int, ...]:
+    """The strides ``torch.empty(shape, memory_format=memory_format)`` gives, with no allocation (c10's
+    contiguous strides count a size-0 dim as 1, ``get_channels_last_strides_2d`` / ``_3d`` as 0)."""
+    order = _FORMAT_ORDER.get(memory_format)
+    strides = [0] * len(shape)
+    step = 1
+    for d in order or range(len(shape) - 1, -1, -1):
+        strides[d] = step
+        step *= int(shape[d]) if order else max(int(shape[d]), 1)
+    return tuple(strides)
+
+
+def canonical_size1_strides(t: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+    """``t``, or a view of the same elements whose size-1 dims carry the strides
+    :func:`canonical_strides` gives them, where ``t`` is contiguous in a memory format (``memory_format``
+    first, then contiguous, then the channels-last format of its dims) and only those strides differ.
+    No copy: a size-1 dim's stride never moves a pointer.
+
+    torch counts such a tensor as contiguous in the format (``is_contiguous`` skips size-1 dims), and
+    ordinary code makes them: a batch of one from an HWC image, ``hwc.permute(2, 0, 1).unsqueeze(0)``,
+    has strides ``(C, 1, W*C, C)``. torch 2.13's kernels take ``t`` as it is then (``contiguous`` returns
+    it) and some read the odd stride: the grouped channels-last ``grad_weight`` of
+    ``at::native::convolution_backward`` (float64 and bfloat16, off by more than its scale) and oneDNN's
+    forward convolution with such a weight (the python backend's ``grad_input``).
+    Mirrors ``canonical_size1_strides`` in csrc/convolution_backward.cpp."""
+    if t.numel() == 0:
+        return t
+    own = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim(), torch.contiguous_format)
+    for fmt in (memory_format, torch.contiguous_format, own):
+        if _FORMAT_DIMS.get(fmt, t.dim()) == t.dim() and t.is_contiguous(memory_format=fmt):
+            strides = canonical_strides(t.shape, fmt)
+            return t if t.stride() == strides else t.as_strided(t.shape, strides, t.storage_offset())
+    return t
+
+
+def canonical_call(args: ConvolutionBackwardArgs) -> ConvolutionBackwardArgs:
+    """``args``, or a copy whose ``grad_output``, ``input`` and ``weight`` are
+    :func:`canonical_size1_strides` views (preferring the memory format upstream gives the call's
+    outputs, :func:`output_memory_format`): the same values, on strides upstream's kernels read right.
+    Restriding can change the layout upstream gives the outputs (an odd stride can decide
+    ``suggest_memory_format``; ``weight``'s own strides survive into the THNN paths' ``grad_weight``,
+    :func:`empty_like_native`), so a caller computes on the copy and lays the results out as upstream
+    lays out ``args``. Mirrors ``canonical_call`` in csrc/convolution_backward.cpp."""
+    fmt = output_memory_format(args, native_backend(args))
+    go = canonical_size1_strides(args.grad_output, fmt)
+    x = canonical_size1_strides(args.input, fmt)
+    w = canonical_size1_strides(args.weight, fmt)
+    if go is args.grad_output and x is args.input and w is args.weight:
+        return args
+    return dataclasses.replace(args, grad_output=go, input=x, weight=w)
 
 
 def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_size, grad_output_size, kernel,

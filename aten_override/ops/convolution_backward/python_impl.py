@@ -34,6 +34,7 @@ import torch
 from .args import (
     ConvolutionBackwardArgs,
     FLOATING_DTYPES,
+    canonical_call,
     check_args,
     is_empty_call,
     needs_weight_or_input,
@@ -342,12 +343,14 @@ def convolution_backward(args: ConvolutionBackwardArgs) -> tuple[torch.Tensor | 
             empty_like_native(a.weight, fmt, backend, dtype).zero_() if mask[1] else None,
             torch.zeros(a.c_out, dtype=dtype, device=a.grad_output.device) if mask[2] else None,
         )
+    # computed on size-1 strides upstream's kernels read right; laid out as upstream lays out `a`'s
+    c = canonical_call(a)
     gi = gw = gb = None
     if mask[0]:
         gi = empty_like_native(a.input, fmt, backend, dtype, is_input=True)
-        gi = _into(gi, grad_input(a, a.grad_output, a.weight), a)
+        gi = _into(gi, grad_input(c, c.grad_output, c.weight), a)
     if mask[1]:
-        gw = _into(empty_like_native(a.weight, fmt, backend, dtype), grad_weight(a, a.grad_output, a.input), a)
+        gw = _into(empty_like_native(a.weight, fmt, backend, dtype), grad_weight(c, c.grad_output, c.input), a)
     if mask[2]:
         gb = _grad_bias(a.grad_output, _compute_dtype(dtype))
     return gi, gw, gb
