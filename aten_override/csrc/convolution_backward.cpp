@@ -921,67 +921,70 @@ std::vector<int64_t> canonical_strides(at::IntArrayRef sizes, at::MemoryFormat f
   return strides;
 }
 
-// t, or a view of the same elements whose size-1 dims carry canonical_strides', where t is contiguous
-// in a memory format (`preferred` first, then contiguous, then the channels-last format of its dims)
-// and only those strides differ (no copy: a size-1 dim's stride never moves a pointer). torch counts
-// such a tensor as contiguous and ordinary code makes them (a batch of one from an HWC image,
-// hwc.permute(2, 0, 1).unsqueeze(0): strides (C, 1, W*C, C)); 2.13's grouped channels-last grad_weight
-// reads the odd stride and is off by more than its scale (float64, bfloat16). Mirrors
-// args.canonical_size1_strides.
+// Whether t is contiguous in fmt (a channels-last format only for a tensor of its dims).
+bool contiguous_in(const at::Tensor& t, at::MemoryFormat fmt) {
+  const int64_t dims = fmt == at::MemoryFormat::ChannelsLast ? 4 : fmt == at::MemoryFormat::ChannelsLast3d ? 5 : t.dim();
+  return dims == t.dim() && t.is_contiguous(fmt);
+}
+
+// t, or a view of the same elements with canonical_strides' strides in a memory format t is contiguous in
+// (`preferred` first, then contiguous, then the channels-last format of its dims), where t is contiguous
+// in a format but has the canonical strides of none: strides that differ only on size-1 dims (no copy:
+// a size-1 dim's stride never moves a pointer). A tensor with the canonical strides of any of its formats
+// (a 1x1 weight, an (N, C, 1, 1) activation) is left as it is. torch counts the others as contiguous and
+// ordinary code makes them (a batch of one from an HWC image, hwc.permute(2, 0, 1).unsqueeze(0): strides
+// (C, 1, W*C, C)); 2.13's grouped channels-last grad_weight reads the odd stride and is off by more than
+// its scale (float64, bfloat16). Mirrors args.canonical_size1_strides.
 at::Tensor canonical_size1_strides(const at::Tensor& t, at::MemoryFormat preferred) {
   if (t.numel() == 0) return t;
+  const auto sizes = t.sizes();
+  if (std::find(sizes.begin(), sizes.end(), 1) == sizes.end()) return t;  // no size-1 dim: canonical if contiguous
   const int64_t dims = t.dim();
   const auto own = dims == 4 ? at::MemoryFormat::ChannelsLast
       : dims == 5            ? at::MemoryFormat::ChannelsLast3d
                              : at::MemoryFormat::Contiguous;
+  std::optional<at::MemoryFormat> first;
   for (const auto fmt : {preferred, at::MemoryFormat::Contiguous, own}) {
-    const int64_t fmt_dims = fmt == at::MemoryFormat::ChannelsLast ? 4 : fmt == at::MemoryFormat::ChannelsLast3d ? 5 : dims;
-    if (fmt_dims != dims || !t.is_contiguous(fmt)) continue;
-    const std::vector<int64_t> strides = canonical_strides(t.sizes(), fmt);
-    return t.strides().equals(strides) ? t : t.as_strided(t.sizes(), strides, t.storage_offset());
+    if (!contiguous_in(t, fmt)) continue;
+    if (t.strides().equals(canonical_strides(sizes, fmt))) return t;
+    if (!first) first = fmt;
   }
-  return t;
+  return first ? t.as_strided(sizes, canonical_strides(sizes, *first), t.storage_offset()) : t;
 }
 
 // The call's grad_output, input and weight as canonical_size1_strides views, preferring the memory format
-// upstream gives its outputs; `changed` says whether any differs. The same values: a caller computes
-// on them and lays the results out as upstream lays out the original call (restriding can change that
-// layout: an odd stride can decide suggest_memory_format, and weight's own strides survive into the THNN
-// paths' grad_weight). Mirrors args.canonical_call.
-struct CanonicalTensors {
+// upstream gives its outputs (`layout`: output_layout of the call as given), or nullopt where none changes
+// or the call reads no convolution (is_empty_call: zeros like input and weight, their own strides;
+// grad_bias alone). The same values: a caller computes on them and lays the results out as upstream lays
+// out the call as given (restriding can change that layout: an odd stride can decide
+// suggest_memory_format, and weight's own strides survive into the THNN paths' grad_weight). Mirrors
+// args.canonical_call.
+struct CanonicalCall {
   at::Tensor grad_output, input, weight;
-  bool changed;
+  OutputLayout layout;
 };
 
-CanonicalTensors canonical_call(const Args& a) {
-  const at::MemoryFormat fmt = output_layout(a).fmt;
-  CanonicalTensors c{canonical_size1_strides(a.grad_output, fmt), canonical_size1_strides(a.input, fmt),
-                     canonical_size1_strides(a.weight, fmt), false};
-  c.changed = !c.grad_output.is_same(a.grad_output) || !c.input.is_same(a.input) || !c.weight.is_same(a.weight);
-  return c;
-}
-
-// Whether canonical_call can change the call: one of its tensors is contiguous in the contiguous format
-// or in the channels-last format of its dims, with strides other than canonical_strides' for it. Cheap
-// (is_contiguous is a cached flag; only tensors with a size-1 dim are looked at), so calls without an odd
-// stride skip canonical_call's select_conv_backend.
-bool has_odd_size1_stride(const Args& a) {
+// Whether canonical_call changes the call. Which tensors restride does not depend on the preferred
+// format, so this needs no select_conv_backend: a few cached flags and integer compares, only for
+// tensors with a size-1 dim.
+bool restrides(const Args& a) {
+  if (is_empty_call(a.input) || !needs_weight_or_input(a)) return false;
   for (const at::Tensor* t : {&a.grad_output, &a.input, &a.weight}) {
-    const auto sizes = t->sizes();
-    if (t->numel() == 0 || std::find(sizes.begin(), sizes.end(), 1) == sizes.end()) continue;
-    const int64_t dims = t->dim();
-    for (const auto fmt : {at::MemoryFormat::Contiguous, dims == 4 ? at::MemoryFormat::ChannelsLast
-                                                         : dims == 5 ? at::MemoryFormat::ChannelsLast3d
-                                                                     : at::MemoryFormat::Contiguous}) {
-      if (t->is_contiguous(fmt) && !t->strides().equals(canonical_strides(sizes, fmt))) return true;
-    }
+    if (!canonical_size1_strides(*t, at::MemoryFormat::Contiguous).is_same(*t)) return true;
   }
   return false;
 }
 
-// result's grad_input / grad_weight in the strides upstream gives the call `a` (copied where they differ).
-void lay_out_as_native(const Args& a, Result& result) {
+std::optional<CanonicalCall> canonical_call(const Args& a) {
+  if (!restrides(a)) return std::nullopt;
   const OutputLayout layout = output_layout(a);
+  return CanonicalCall{canonical_size1_strides(a.grad_output, layout.fmt), canonical_size1_strides(a.input, layout.fmt),
+                       canonical_size1_strides(a.weight, layout.fmt), layout};
+}
+
+// result's grad_input / grad_weight in the strides upstream gives the call `a` (`layout`: output_layout(a)),
+// copied where they differ.
+void lay_out_as_native(const Args& a, const OutputLayout& layout, Result& result) {
   at::Tensor& gi = std::get<0>(result);
   if (gi.defined()) {
     at::Tensor out = empty_like_native(a.input.sizes(), gi.options(), layout.fmt);
@@ -2416,14 +2419,14 @@ Result compiled_backward_canonical(const Args& a);
 // The compiled backend's result for a call it serves (unsupported_reason() was nullopt): computed on
 // canonical_call's views where the call has an odd size-1 stride, laid out as upstream lays out the call.
 Result compiled_backward(const Args& a) {
-  if (!has_odd_size1_stride(a)) return compiled_backward_canonical(a);
-  check_args(a);  // errors name the call as given
-  const CanonicalTensors c = canonical_call(a);
-  if (!c.changed) return compiled_backward_canonical(a);
-  const Args canonical{c.grad_output, c.input, c.weight, a.bias_sizes, a.stride, a.padding, a.dilation, a.transposed,
+  if (!restrides(a)) return compiled_backward_canonical(a);
+  check_args(a);  // errors name the call as given (canonical_call runs select_conv_backend)
+  const std::optional<CanonicalCall> c = canonical_call(a);
+  TORCH_INTERNAL_ASSERT(c.has_value());
+  const Args canonical{c->grad_output, c->input, c->weight, a.bias_sizes, a.stride, a.padding, a.dilation, a.transposed,
                        a.output_padding, a.groups, a.output_mask};
   Result result = compiled_backward_canonical(canonical);
-  lay_out_as_native(a, result);
+  lay_out_as_native(a, c->layout, result);
   return result;
 }
 

@@ -70,7 +70,8 @@ def call_native(aten_args: Sequence, device_type: str | None = None):
     canonical = canonical_call(args)
     if canonical is args:
         return outputs
-    return tuple(o if o is None else o.copy_(r) for o, r in zip(outputs, kernel(*canonical.as_aten_args())))
+    right = kernel(*canonical.as_aten_args())
+    return tuple(o if o is None or r is None else o.copy_(r) for o, r in zip(outputs, right))
 
 
 def float64_reference(aten_args: Sequence):

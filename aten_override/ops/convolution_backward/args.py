@@ -578,6 +578,8 @@ def canonical_strides(shape: Sequence[int], memory_format: torch.memory_format) 
     """The strides ``torch.empty(shape, memory_format=memory_format)`` gives, with no allocation (c10's
     contiguous strides count a size-0 dim as 1, ``get_channels_last_strides_2d`` / ``_3d`` as 0)."""
     order = _FORMAT_ORDER.get(memory_format)
+    if order is not None and len(order) != len(shape):
+        raise ValueError(f"canonical_strides: {memory_format} needs {len(order)} dims, got shape {tuple(shape)}")
     strides = [0] * len(shape)
     step = 1
     for d in order or range(len(shape) - 1, -1, -1):
@@ -586,11 +588,23 @@ def canonical_strides(shape: Sequence[int], memory_format: torch.memory_format) 
     return tuple(strides)
 
 
+def _contiguous_formats(t: torch.Tensor, preferred: torch.memory_format) -> list[torch.memory_format]:
+    """The memory formats ``t`` is contiguous in, ``preferred`` first, then contiguous, then the
+    channels-last format of its dims."""
+    own = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim(), torch.contiguous_format)
+    formats = []
+    for fmt in (preferred, torch.contiguous_format, own):
+        if fmt not in formats and _FORMAT_DIMS.get(fmt, t.dim()) == t.dim() and t.is_contiguous(memory_format=fmt):
+            formats.append(fmt)
+    return formats
+
+
 def canonical_size1_strides(t: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
-    """``t``, or a view of the same elements whose size-1 dims carry the strides
-    :func:`canonical_strides` gives them, where ``t`` is contiguous in a memory format (``memory_format``
-    first, then contiguous, then the channels-last format of its dims) and only those strides differ.
-    No copy: a size-1 dim's stride never moves a pointer.
+    """``t``, or a view of the same elements with the strides :func:`canonical_strides` gives it in a
+    memory format it is contiguous in (``memory_format`` first), where it is contiguous in a format but
+    has the canonical strides of none: strides that differ only on size-1 dims. No copy: a size-1 dim's
+    stride never moves a pointer. A tensor with the canonical strides of any of its formats (a 1x1
+    weight, an ``(N, C, 1, 1)`` activation) is left as it is: the original kernel reads those right.
 
     torch counts such a tensor as contiguous in the format (``is_contiguous`` skips size-1 dims), and
     ordinary code makes them: a batch of one from an HWC image, ``hwc.permute(2, 0, 1).unsqueeze(0)``,
@@ -601,12 +615,10 @@ def canonical_size1_strides(t: torch.Tensor, memory_format: torch.memory_format)
     Mirrors ``canonical_size1_strides`` in csrc/convolution_backward.cpp."""
     if t.numel() == 0:
         return t
-    own = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim(), torch.contiguous_format)
-    for fmt in (memory_format, torch.contiguous_format, own):
-        if _FORMAT_DIMS.get(fmt, t.dim()) == t.dim() and t.is_contiguous(memory_format=fmt):
-            strides = canonical_strides(t.shape, fmt)
-            return t if t.stride() == strides else t.as_strided(t.shape, strides, t.storage_offset())
-    return t
+    formats = _contiguous_formats(t, memory_format)
+    if not formats or any(t.stride() == canonical_strides(t.shape, fmt) for fmt in formats):
+        return t
+    return t.as_strided(t.shape, canonical_strides(t.shape, formats[0]), t.storage_offset())
 
 
 def canonical_call(args: ConvolutionBackwardArgs) -> ConvolutionBackwardArgs:
@@ -616,11 +628,16 @@ def canonical_call(args: ConvolutionBackwardArgs) -> ConvolutionBackwardArgs:
     Restriding can change the layout upstream gives the outputs (an odd stride can decide
     ``suggest_memory_format``; ``weight``'s own strides survive into the THNN paths' ``grad_weight``,
     :func:`empty_like_native`), so a caller computes on the copy and lays the results out as upstream
-    lays out ``args``. Mirrors ``canonical_call`` in csrc/convolution_backward.cpp."""
+    lays out ``args``. Calls that read no convolution (:func:`is_empty_call`: zeros like ``input`` and
+    ``weight``, their own strides; ``grad_bias`` alone) are ``args``. Mirrors ``canonical_call`` in
+    csrc/convolution_backward.cpp."""
+    if is_empty_call(args) or not needs_weight_or_input(args):
+        return args
+    tensors = (args.grad_output, args.input, args.weight)
+    if all(canonical_size1_strides(t, torch.contiguous_format) is t for t in tensors):
+        return args  # (no tensor restrides whatever the format: no select_conv_backend)
     fmt = output_memory_format(args, native_backend(args))
-    go = canonical_size1_strides(args.grad_output, fmt)
-    x = canonical_size1_strides(args.input, fmt)
-    w = canonical_size1_strides(args.weight, fmt)
+    go, x, w = (canonical_size1_strides(t, fmt) for t in tensors)
     if go is args.grad_output and x is args.input and w is args.weight:
         return args
     return dataclasses.replace(args, grad_output=go, input=x, weight=w)
