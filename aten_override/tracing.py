@@ -60,6 +60,7 @@ from .ops.convolution_backward.args import (
     native_backend,
     native_defect_reason,
     output_memory_format,
+    significant_strides,
 )
 
 __all__ = ["trace", "CallRecord", "OpRecord", "TensorInfo", "Verification", "TraceData", "Aggregates", "load", "default_tolerance"]
@@ -126,7 +127,8 @@ class Verification:
     Per requested output, ``max_abs`` is ``max |ours - original|`` and ``max_rel`` is
     ``max_abs / max |original|`` (the fields hold the largest over the outputs); ``ok`` is ``max_abs
     <= atol + rtol * max |original|`` for every output, with matching shapes and dtypes. ``strides_match`` is reported apart: a layout difference is a bug but not a
-    numerical one.
+    numerical one. Strides are compared on the dims of size > 1 (``args.significant_strides``: a size-1
+    dim's stride carries no layout), as the test bed's ``check_tensor`` compares them.
     """
 
     max_abs: float
@@ -864,7 +866,7 @@ class trace(contextlib.ContextDecorator):
                     f"the original's {_short_dtype(str(ref.dtype).removeprefix('torch.'))}{list(ref.shape)}"
                 )
                 continue
-            if ours.stride() != ref.stride() and ours.numel() > 1:
+            if significant_strides(ours) != significant_strides(ref):
                 strides_match = False
                 mismatches.append(f"{name}: stride {list(ours.stride())} vs. the original's {list(ref.stride())}")
             if ours.numel() == 0:

@@ -70,3 +70,17 @@ def _dispatcher_restored():
     assert aten_override.active_backend() is None, "a test left a backend enabled"
     aten_override.release()
     assert torch._C._dispatch_dump("aten::convolution_backward") == before
+
+
+@pytest.fixture(autouse=True)
+def _thread_count_restored():
+    """Every test leaves torch's intra-op thread count as it found it: the tests after it measure
+    candidates (the autotuner's choices, a candidate rejected as slow) and split work by it (a test
+    that set one thread and kept it turned a later autotuner test's gemm-kn2row from measured into
+    'slow'). Restored, then failed, where a test changed it."""
+    before = torch.get_num_threads()
+    yield
+    after = torch.get_num_threads()
+    if after != before:
+        torch.set_num_threads(before)
+        pytest.fail(f"the test left torch.get_num_threads() at {after} (was {before}): restore it")

@@ -35,7 +35,7 @@ import torch.utils.deterministic
 from .. import original_kernel, reset_stats, stats as backend_stats
 from ..backends import ATEN_IMPL, Implementation
 from ..context import enable
-from ..ops.convolution_backward.args import ConvolutionBackwardArgs, canonical_call
+from ..ops.convolution_backward.args import ConvolutionBackwardArgs, canonical_call, significant_strides
 from .skips import SKIPS
 
 __all__ = [
@@ -144,11 +144,6 @@ def served_by(impl: Implementation, expected: dict[str, int] | None = None):
                 SKIPS["all_fallback"].format(backend=impl.name, reasons="; ".join(sorted(reasons)))
             )
         raise AssertionError(f"backend {impl.name!r} served no convolution_backward call (stats: {stats})")
-
-
-def significant_strides(t: torch.Tensor) -> tuple[tuple[int, int], ...]:
-    """``(dim, stride)`` for every dim of size > 1."""
-    return tuple((d, s) for d, (n, s) in enumerate(zip(t.shape, t.stride())) if n > 1)
 
 
 def check_tensor(

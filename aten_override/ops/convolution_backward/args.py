@@ -39,6 +39,7 @@ __all__ = [
     "canonical_strides",
     "canonical_size1_strides",
     "canonical_call",
+    "significant_strides",
     "expected_output_spatial",
     "dead_taps",
     "has_dead_tap",
@@ -641,6 +642,12 @@ def canonical_call(args: ConvolutionBackwardArgs) -> ConvolutionBackwardArgs:
     if go is args.grad_output and x is args.input and w is args.weight:
         return args
     return dataclasses.replace(args, grad_output=go, input=x, weight=w)
+
+
+def significant_strides(t: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """``(dim, stride)`` for every dim of size > 1: a tensor's layout (a size-1 dim's stride never moves a
+    pointer; Inductor's ``assert_size_stride`` compares fallback kernels' outputs by the same rule)."""
+    return tuple((d, s) for d, (n, s) in enumerate(zip(t.shape, t.stride())) if n > 1)
 
 
 def native_defect_reason(*, device_type: str, dtype, transposed: bool, input_size, grad_output_size, kernel,
