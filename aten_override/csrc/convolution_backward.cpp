@@ -904,15 +904,18 @@ at::Tensor empty_like_native_weight(const at::Tensor& weight, const OutputLayout
 }
 
 // The strides at::empty(sizes, fmt) gives, with no allocation (contiguous strides count a size-0 dim as
-// 1, c10's get_channels_last_strides_2d / _3d as 0). Mirrors args.canonical_strides.
-std::vector<int64_t> canonical_strides(at::IntArrayRef sizes, at::MemoryFormat fmt) {
+// 1, c10's get_channels_last_strides_2d / _3d as 0). Mirrors args.canonical_strides. Inline storage: it
+// runs per call for every tensor with a size-1 dim (restrides()), so no heap allocation.
+using Strides = c10::SmallVector<int64_t, 5>;
+Strides canonical_strides(at::IntArrayRef sizes, at::MemoryFormat fmt) {
   const int64_t dims = static_cast<int64_t>(sizes.size());
-  std::vector<int64_t> order;  // innermost dim first
+  Strides order;  // innermost dim first
   if (fmt == at::MemoryFormat::ChannelsLast) order = {1, 3, 2, 0};
   else if (fmt == at::MemoryFormat::ChannelsLast3d) order = {1, 4, 3, 2, 0};
   const bool channels_last = !order.empty();
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(!channels_last || static_cast<int64_t>(order.size()) == dims);
   if (!channels_last) for (int64_t d = dims - 1; d >= 0; --d) order.push_back(d);
-  std::vector<int64_t> strides(dims);
+  Strides strides(dims);
   int64_t step = 1;
   for (const int64_t d : order) {
     strides[d] = step;
