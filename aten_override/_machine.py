@@ -45,6 +45,8 @@ ISA_FLAGS = ("fma", "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp1
 """The ``/proc/cpuinfo`` flags that change which kernels oneDNN, MKL and ``csrc/cpu`` can use."""
 
 PEAK_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+# Dtypes a kernel may compute in float32: their roof is never below float32's (Machine.peak).
+REDUCED_DTYPES = (torch.bfloat16, torch.float16)
 
 _CPUINFO = Path("/proc/cpuinfo")
 
@@ -174,8 +176,15 @@ class Machine:
     ``None`` without the extension."""
 
     def peak(self, dtype: torch.dtype) -> float:
-        """Measured FLOP/s for ``dtype``; ``nan`` for a dtype not measured (float16)."""
-        return self.peak_flops.get(_dtype_name(dtype), float("nan"))
+        """The FLOP roof for ``dtype`` in FLOP/s: its measured peak; for bfloat16 / float16 the larger of
+        theirs and float32's, since a kernel may compute them in float32 (the compiled backend's do).
+        Without that, bfloat16's roof on a CPU with no bfloat16 instructions was torch's generic bfloat16
+        GEMM (under 1 GFLOP/s on a Zen 3 VM) and the benchmarks printed rooflines of 500-5,000%. ``nan``
+        where neither is measured."""
+        own = self.peak_flops.get(_dtype_name(dtype), float("nan"))
+        if dtype not in REDUCED_DTYPES:
+            return own
+        return max((r for r in (own, self.peak_flops.get("float32", float("nan"))) if r == r), default=float("nan"))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -240,7 +249,8 @@ def header(machine: Machine) -> str:
             f"compiled kernels' vectors: {_VECTOR_TYPES.get(machine.vector_type, 'extension not built')}; "
             f"bfloat16 dot products: {_BF16_DOTS.get(machine.bf16_dot, 'extension not built')}; "
             f"{streaming_text(machine.streaming_stores)}",
-            f"FLOP peak (GFLOP/s, the faster of torch.mm 2048^2 and a 3x3 conv): {peaks}; "
+            f"FLOP peak (GFLOP/s, the faster of torch.mm 2048^2 and a 3x3 conv): {peaks} "
+            "(bfloat16 / float16 roofs: at least float32's, computed in float32); "
             f"bandwidth {machine.bandwidth / 1e9:.1f} GB/s ({machine.bandwidth_source})",
             subnormal_line(machine.subnormal_cost),
         ]

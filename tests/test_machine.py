@@ -18,10 +18,29 @@ def test_cpu_model_and_isa_flags():
 def test_header_with_given_peaks_measures_nothing():
     m = _machine.measure(peak_gflops=100, bandwidth_gbs=20)
     assert m.peak(torch.float32) == 100e9 and m.peak(torch.bfloat16) == 100e9
-    assert m.peak(torch.float16) != m.peak(torch.float16)  # not measured: nan
+    assert m.peak(torch.float16) == 100e9  # not measured: float32's (a kernel may compute it in float32)
     text = _machine.header(m)
     assert m.cpu_model in text and f"{torch.get_num_threads()} threads" in text
     assert "float32 100 (given)" in text and "bandwidth 20.0 GB/s (given)" in text
+
+
+def _machine_with(peak_flops: dict) -> "_machine.Machine":
+    return _machine.Machine(cpu_model="m", isa_flags=(), cpu_capability="AVX2", torch_version="t", onednn_version=None,
+                            threads=1, peak_flops=peak_flops, bandwidth=20e9)
+
+
+def test_reduced_precision_roofs_are_never_below_float32s():
+    """On a CPU without bfloat16 instructions torch's bfloat16 GEMM runs under 1 GFLOP/s, while the
+    compiled backend computes bfloat16 in float32: the roof of a bfloat16 call is float32's peak (the
+    benchmarks printed rooflines of 500-5,000% against the bfloat16 GEMM's rate)."""
+    slow_bf16 = _machine_with({"float32": 94e9, "float64": 47e9, "bfloat16": 0.6e9})
+    assert slow_bf16.peak(torch.bfloat16) == 94e9 and slow_bf16.peak(torch.float16) == 94e9
+    assert slow_bf16.peak(torch.float32) == 94e9 and slow_bf16.peak(torch.float64) == 47e9
+    amx = _machine_with({"float32": 94e9, "bfloat16": 900e9})
+    assert amx.peak(torch.bfloat16) == 900e9  # a faster bfloat16 GEMM stays the roof
+    nothing = _machine_with({})
+    assert all(nothing.peak(d) != nothing.peak(d) for d in (torch.float32, torch.bfloat16))  # not measured: nan
+    assert _machine_with({"bfloat16": 5e9}).peak(torch.bfloat16) == 5e9
 
 
 def test_measure_flops_is_positive():

@@ -199,7 +199,9 @@ def test_the_autotuner_measures_it_on_a_temporal_layer(fresh_table):
     measured = {name for name in {*entry["times_us"], *entry["rejected"]} if ":" not in name}
     assert "gemm-kn2row" in measured, entry
     assert measured & {"fold-2d", "native"}, entry
-    assert "gemm-kn2row" not in entry["rejected"], entry
+    # Measured, and right: a "slow" rejection (over kSlowCutoff x the fastest first run) depends on the
+    # machine and its load (2.2x native's time at one thread on a Zen 3 VM), and is no failure here.
+    assert not entry["rejected"].get("gemm-kn2row", "slow:").startswith(("wrong", "declined")), entry
     reference = float64_reference(args)
     for i in range(2):
         error = (ours[i].double() - reference[i]).abs().max().item()
