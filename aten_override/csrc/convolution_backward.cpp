@@ -938,10 +938,13 @@ bool contiguous_in(const at::Tensor& t, at::MemoryFormat fmt) {
 // ordinary code makes them (a batch of one from an HWC image, hwc.permute(2, 0, 1).unsqueeze(0): strides
 // (C, 1, W*C, C)); 2.13's grouped channels-last grad_weight reads the odd stride and is off by more than
 // its scale (float64, bfloat16). Mirrors args.canonical_size1_strides.
-at::Tensor canonical_size1_strides(const at::Tensor& t, at::MemoryFormat preferred) {
-  if (t.numel() == 0) return t;
+//
+// size1_restride_format: the format whose canonical strides that view takes, nullopt where t is left as
+// it is. Whether it is nullopt does not depend on `preferred` (restrides() asks it so, with no view made).
+std::optional<at::MemoryFormat> size1_restride_format(const at::Tensor& t, at::MemoryFormat preferred) {
+  if (t.numel() == 0) return std::nullopt;
   const auto sizes = t.sizes();
-  if (std::find(sizes.begin(), sizes.end(), 1) == sizes.end()) return t;  // no size-1 dim: canonical if contiguous
+  if (std::find(sizes.begin(), sizes.end(), 1) == sizes.end()) return std::nullopt;  // canonical if contiguous
   const int64_t dims = t.dim();
   const auto own = dims == 4 ? at::MemoryFormat::ChannelsLast
       : dims == 5            ? at::MemoryFormat::ChannelsLast3d
@@ -949,16 +952,20 @@ at::Tensor canonical_size1_strides(const at::Tensor& t, at::MemoryFormat preferr
   std::optional<at::MemoryFormat> first;
   for (const auto fmt : {preferred, at::MemoryFormat::Contiguous, own}) {
     if (!contiguous_in(t, fmt)) continue;
-    if (t.strides().equals(canonical_strides(sizes, fmt))) return t;
+    if (t.strides().equals(canonical_strides(sizes, fmt))) return std::nullopt;
     if (!first) first = fmt;
   }
-  return first ? t.as_strided(sizes, canonical_strides(sizes, *first), t.storage_offset()) : t;
+  return first;
+}
+
+at::Tensor canonical_size1_strides(const at::Tensor& t, at::MemoryFormat preferred) {
+  const std::optional<at::MemoryFormat> fmt = size1_restride_format(t, preferred);
+  return fmt ? t.as_strided(t.sizes(), canonical_strides(t.sizes(), *fmt), t.storage_offset()) : t;
 }
 
 // The call's grad_output, input and weight as canonical_size1_strides views, preferring the memory format
-// upstream gives its outputs (`layout`: output_layout of the call as given), or nullopt where none changes
-// or the call reads no convolution (is_empty_call: zeros like input and weight, their own strides;
-// grad_bias alone). The same values: a caller computes on them and lays the results out as upstream lays
+// upstream gives its outputs (`layout`: output_layout of the call as given), for a call restrides() says
+// changes (the Python mirror checks that itself: it returns the call where none changes). The same values: a caller computes on them and lays the results out as upstream lays
 // out the call as given (restriding can change that layout: an odd stride can decide
 // suggest_memory_format, and weight's own strides survive into the THNN paths' grad_weight). Mirrors
 // args.canonical_call.
@@ -967,19 +974,19 @@ struct CanonicalCall {
   OutputLayout layout;
 };
 
-// Whether canonical_call changes the call. Which tensors restride does not depend on the preferred
-// format, so this needs no select_conv_backend: a few cached flags and integer compares, only for
-// tensors with a size-1 dim.
+// Whether canonical_call changes the call: not for calls that read no convolution (is_empty_call: zeros
+// like input and weight, their own strides; grad_bias alone). Which tensors restride does not depend on
+// the preferred format, so this needs no select_conv_backend: a few cached flags and integer compares,
+// only for tensors with a size-1 dim.
 bool restrides(const Args& a) {
   if (is_empty_call(a.input) || !needs_weight_or_input(a)) return false;
   for (const at::Tensor* t : {&a.grad_output, &a.input, &a.weight}) {
-    if (!canonical_size1_strides(*t, at::MemoryFormat::Contiguous).is_same(*t)) return true;
+    if (size1_restride_format(*t, at::MemoryFormat::Contiguous)) return true;
   }
   return false;
 }
 
-std::optional<CanonicalCall> canonical_call(const Args& a) {
-  if (!restrides(a)) return std::nullopt;
+CanonicalCall canonical_call(const Args& a) {
   const OutputLayout layout = output_layout(a);
   return CanonicalCall{canonical_size1_strides(a.grad_output, layout.fmt), canonical_size1_strides(a.input, layout.fmt),
                        canonical_size1_strides(a.weight, layout.fmt), layout};
@@ -2424,12 +2431,11 @@ Result compiled_backward_canonical(const Args& a);
 Result compiled_backward(const Args& a) {
   if (!restrides(a)) return compiled_backward_canonical(a);
   check_args(a);  // errors name the call as given (canonical_call runs select_conv_backend)
-  const std::optional<CanonicalCall> c = canonical_call(a);
-  TORCH_INTERNAL_ASSERT(c.has_value());
-  const Args canonical{c->grad_output, c->input, c->weight, a.bias_sizes, a.stride, a.padding, a.dilation, a.transposed,
+  const CanonicalCall c = canonical_call(a);
+  const Args canonical{c.grad_output, c.input, c.weight, a.bias_sizes, a.stride, a.padding, a.dilation, a.transposed,
                        a.output_padding, a.groups, a.output_mask};
   Result result = compiled_backward_canonical(canonical);
-  lay_out_as_native(a, c->layout, result);
+  lay_out_as_native(a, c.layout, result);
   return result;
 }
 

@@ -614,12 +614,19 @@ def canonical_size1_strides(t: torch.Tensor, memory_format: torch.memory_format)
     ``at::native::convolution_backward`` (float64 and bfloat16, off by more than its scale) and oneDNN's
     forward convolution with such a weight (the python backend's ``grad_input``).
     Mirrors ``canonical_size1_strides`` in csrc/convolution_backward.cpp."""
-    if t.numel() == 0:
-        return t
+    fmt = _size1_restride_format(t, memory_format)
+    return t if fmt is None else t.as_strided(t.shape, canonical_strides(t.shape, fmt), t.storage_offset())
+
+
+def _size1_restride_format(t: torch.Tensor, memory_format: torch.memory_format) -> torch.memory_format | None:
+    """The format whose canonical strides :func:`canonical_size1_strides` gives ``t``, ``None`` where it
+    leaves ``t`` as it is. Whether it is ``None`` does not depend on ``memory_format``."""
+    if t.numel() == 0 or 1 not in t.shape:
+        return None
     formats = _contiguous_formats(t, memory_format)
     if not formats or any(t.stride() == canonical_strides(t.shape, fmt) for fmt in formats):
-        return t
-    return t.as_strided(t.shape, canonical_strides(t.shape, formats[0]), t.storage_offset())
+        return None
+    return formats[0]
 
 
 def canonical_call(args: ConvolutionBackwardArgs) -> ConvolutionBackwardArgs:
@@ -635,7 +642,7 @@ def canonical_call(args: ConvolutionBackwardArgs) -> ConvolutionBackwardArgs:
     if is_empty_call(args) or not needs_weight_or_input(args):
         return args
     tensors = (args.grad_output, args.input, args.weight)
-    if all(canonical_size1_strides(t, torch.contiguous_format) is t for t in tensors):
+    if all(_size1_restride_format(t, torch.contiguous_format) is None for t in tensors):
         return args  # (no tensor restrides whatever the format: no select_conv_backend)
     fmt = output_memory_format(args, native_backend(args))
     go, x, w = (canonical_size1_strides(t, fmt) for t in tensors)
