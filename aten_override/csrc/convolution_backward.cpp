@@ -972,6 +972,11 @@ at::Tensor canonical_size1_strides(const at::Tensor& t, at::MemoryFormat preferr
 struct CanonicalCall {
   at::Tensor grad_output, input, weight;
   OutputLayout layout;
+  // `a` (the call as given) on these views: what the compiled backend computes, tunes and plans.
+  Args args(const Args& a) const {
+    return Args{grad_output, input, weight, a.bias_sizes, a.stride, a.padding, a.dilation, a.transposed,
+                a.output_padding, a.groups, a.output_mask};
+  }
 };
 
 // Whether canonical_call changes the call: not for calls that read no convolution (is_empty_call: zeros
@@ -2432,9 +2437,7 @@ Result compiled_backward(const Args& a) {
   if (!restrides(a)) return compiled_backward_canonical(a);
   check_args(a);  // errors name the call as given (canonical_call runs select_conv_backend)
   const CanonicalCall c = canonical_call(a);
-  const Args canonical{c.grad_output, c.input, c.weight, a.bias_sizes, a.stride, a.padding, a.dilation, a.transposed,
-                       a.output_padding, a.groups, a.output_mask};
-  Result result = compiled_backward_canonical(canonical);
+  Result result = compiled_backward_canonical(c.args(a));
   lay_out_as_native(a, c.layout, result);
   return result;
 }
@@ -2542,10 +2545,22 @@ auto with_aten_args(F f) {
   };
 }
 
+// f(a) on the call as compiled_backward computes it: canonical_call's views where restrides(a), after
+// checking the call as given (its errors name that call). The queries below (kernel, layer class,
+// depthwise walk) answer for the call that runs: on the call as given, whose signature is never the
+// one tuned, planned_kernel_name said "tuning" for every call with an odd size-1 stride, and so did its
+// profiler range and the tracer.
+template <typename F>
+auto as_computed(const Args& a, F&& f) {
+  check_args(a);
+  return f(canonical_call(a).args(a));
+}
+
 // The kernel a call will run, without running or tuning it: the table's, the tuned one, or "tuning"
 // when its signature is not tuned yet. (A direct kernel may still hand a call with non-finite
 // values to native.)
 std::string planned_kernel_name(const Args& a) {
+  if (restrides(a)) return as_computed(a, planned_kernel_name);
   const Expanded e = check_args(a);
   const LayerClass cls = classify(a, e);
   const Kernel static_choice = static_kernel(cls, a, e);
@@ -2592,11 +2607,13 @@ std::optional<Result> run_named_kernel(const std::string& name, const Args& a) {
 }
 
 std::string layer_class_name(const Args& a) {
+  if (restrides(a)) return as_computed(a, layer_class_name);
   return kLayerClasses[static_cast<int>(classify(a, check_args(a)))].name;
 }
 
 // Which CPU kernel of cpu/depthwise.cpp computes a call of the depthwise class; nullopt otherwise.
 std::optional<std::string> depthwise_kernel_name(const Args& a) {
+  if (restrides(a)) return as_computed(a, depthwise_kernel_name);
   const Expanded e = check_args(a);
   if (classify(a, e) != LayerClass::Depthwise || !a.grad_output.is_cpu()) return std::nullopt;
   return std::string(depthwise_table_walk(direct_problem(a, e), a.grad_output.scalar_type()) == DepthwiseWalk::Lanes

@@ -14,12 +14,14 @@ backends serve the call.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
 import torch
 
 import aten_override
+from aten_override.ops.convolution_backward import compiled
 from aten_override.ops.convolution_backward.args import (
     ConvolutionBackwardArgs,
     canonical_call,
@@ -304,3 +306,41 @@ def test_random_odd_size1_strides(backend):
             if native is not None:
                 assert significant_strides(o) == significant_strides(native[i]), (args, i, o.stride(), native[i].stride())
     assert odd_calls > 100
+
+
+@pytest.mark.skipif("compiled" not in BACKENDS, reason="the compiled backend is not built here")
+@pytest.mark.parametrize("traced", [False, True], ids=["registered-kernel", "traced"])
+def test_odd_calls_are_planned_and_named_as_they_run(traced):
+    """The whole kind: a call with odd size-1 strides is planned (``compiled.planned_kernel``,
+    ``layer_class``, ``depthwise_kernel``) and its profiler range named (the registered C++ kernel's range; under ``trace()``, the Python path's) by the
+    kernel that serves it once its signature is tuned, the same as its canonical views'. Until session 32
+    both planned the call as given, whose signature is never the tuned one (the compiled backend tunes
+    and runs the canonical views): every such call was named ``compiled/tuning``. (A signature whose
+    tuning was inconclusive, kInconclusiveTunings in csrc, is called until one is kept.)"""
+    rng = random.Random(32)
+    checked = 0
+    while checked < 40:
+        args = random_odd_call(rng)
+        if args is None:
+            continue
+        a = ConvolutionBackwardArgs(*args)
+        canonical = canonical_call(a)
+        if canonical is a or strided_1x1_avx2(a) or strided_1x1_avx2(canonical):
+            continue
+        traced_block = aten_override.trace(log=False) if traced else contextlib.nullcontext()
+        with aten_override.enable("compiled", autotune=True), traced_block:
+            OP(*args)  # tunes the signature (or takes the table's kernel)
+            for _ in range(3):  # an inconclusive tuning (an all-zero result to check) is not kept: tuned again
+                if not compiled.extension().last_call()["tuned"]:
+                    break
+                OP(*args)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                OP(*args)
+            ran = compiled.extension().last_call()["kernel"]
+            planned, planned_canonical = compiled.planned_kernel(a), compiled.planned_kernel(canonical)
+        names = [e.name for e in prof.events() if e.name.startswith("aten_override::")]
+        assert names == [f"aten_override::convolution_backward[compiled/{ran}]"], (args, names)
+        assert planned == planned_canonical == ran, (args, planned, planned_canonical, ran)
+        assert compiled.layer_class(a) == compiled.layer_class(canonical), args
+        assert compiled.depthwise_kernel(a) == compiled.depthwise_kernel(canonical), args
+        checked += 1
