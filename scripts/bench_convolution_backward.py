@@ -14,7 +14,9 @@ and the two gradients. Both peaks are measured at startup at the benchmark's thr
 (``aten_override._machine``: the faster of a 2048x2048 ``torch.mm`` and a 3x3 convolution per dtype,
 a 256 MiB copy), and printed first with the CPU model, its ISA flags and the torch / oneDNN versions;
 ``--peak-gflops`` / ``--bandwidth-gbs`` override them. The peak is the best this torch reaches, not
-the silicon's, so a kernel can exceed 100%.
+the silicon's, so a kernel can exceed 100%; so can kernels that skip multiplications, ``winograd`` (2.25x
+fewer) and ``kn2row-lanes`` (none for taps that meet only padding), credited with the direct
+convolution's FLOPs (the table's header says so).
 
 The compiled backend chooses its kernel as ``ATEN_OVERRIDE_AUTOTUNE`` says (unset: measured per call
 signature, tuned at the result check, before any timing; ``0``: the layer-class table); the
@@ -259,6 +261,8 @@ def measure_overhead(device: str, backends: list[str], rounds: int = 15) -> int:
 
 
 def print_table(rows: list[dict], backends: list[str]) -> None:
+    print("GFLOP/s and roof% count a direct convolution's FLOPs (winograd and kn2row-lanes, which skip "
+          "multiplications, can read above 100%) and one pass over each tensor's bytes:")
     header = f"{'case':44s} {'class':15s} {'dtype':8s} {'compiled class/kernel':26s}"
     for b in backends:
         header += f" | {b:>8s} ms  ratio GFLOP/s roof% peakMB"
