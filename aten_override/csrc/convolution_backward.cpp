@@ -36,6 +36,9 @@
 #include <tuple>
 #include <type_traits>
 #include <unordered_map>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 #include <vector>
 
 #include <unistd.h>
@@ -881,12 +884,33 @@ OutputLayout output_layout(const Args& a) {
   return {at::native::_determine_backend_memory_format(a.input, a.weight, backend), backend};
 }
 
-// An uninitialised grad_input with upstream's strides; 1-D outputs are allocated 4-D and squeezed.
+// `t` (freshly allocated, not yet written), its whole 2 MiB pages hinted to be transparent huge pages
+// where it spans at least two: its first touch then costs one page fault per 2 MiB instead of one per
+// 4 KiB (as c10's THP_MEM_ALLOC_ENABLE does for every large CPU allocation; it is off by default).
+// glibc maps each allocation over 32 MiB afresh and unmaps it when freed, so without the hint every
+// call pays those faults again. Zen 3 VM, one thread, allocating and filling: 38.5 MiB 21.7 -> 3.9 ms,
+// 100 MiB 61.6 -> 11.4 ms; under 32 MiB glibc reuses its heap and the hint changes nothing measurable.
+// The grad_input of MobileNetV2's 112x112 depthwise layers, wav2vec2's second feature-encoder layer and
+// R(2+1)D's first stages (batch 8) are over 32 MiB. A hint: errors are ignored.
+at::Tensor on_huge_pages(at::Tensor t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHugePage = uintptr_t(1) << 21;
+  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+  if (!t.is_cpu() || bytes < static_cast<int64_t>(2 * kHugePage)) return t;
+  const auto data = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t begin = (data + kHugePage - 1) & ~(kHugePage - 1), end = (data + bytes) & ~(kHugePage - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#endif
+  return t;
+}
+
+// An uninitialised grad_input with upstream's strides (on_huge_pages); 1-D outputs are allocated 4-D
+// and squeezed.
 at::Tensor empty_like_native(at::IntArrayRef sizes, const at::TensorOptions& options, at::MemoryFormat fmt) {
   if (sizes.size() == 3) {
-    return at::empty({sizes[0], sizes[1], 1, sizes[2]}, options.memory_format(fmt)).squeeze(2);
+    return on_huge_pages(at::empty({sizes[0], sizes[1], 1, sizes[2]}, options.memory_format(fmt))).squeeze(2);
   }
-  return at::empty(sizes, options.memory_format(fmt));
+  return on_huge_pages(at::empty(sizes, options.memory_format(fmt)));
 }
 
 // An uninitialised grad_weight with upstream's strides. The THNN Slow2d / SlowTranspose2d paths
@@ -1055,7 +1079,9 @@ void direct_grad_weight(const DirectProblem& p, const at::Tensor& go, const at::
 // `out` itself when it is contiguous, else a contiguous tensor of its sizes and options to compute
 // into (copied into `out` afterwards).
 at::Tensor contiguous_buffer(const at::Tensor& out) {
-  return out.is_contiguous() ? out : at::empty(out.sizes(), out.options().memory_format(at::MemoryFormat::Contiguous));
+  return out.is_contiguous()
+      ? out
+      : on_huge_pages(at::empty(out.sizes(), out.options().memory_format(at::MemoryFormat::Contiguous)));
 }
 
 // Runs `compute(out)` into `out` directly when it is contiguous, else into a contiguous buffer copied over.

@@ -21,8 +21,8 @@
 // element is computed by one task in a fixed order: no atomics on results, and every result is
 // independent of the thread count (deterministic). float16 / bfloat16 convert into the acc_t
 // (float32) buffers while packing, so there is no separate conversion pass. Large grad_input outputs
-// are hinted to use huge pages and written with non-temporal stores where this machine measured that
-// faster (streaming_stores(), below).
+// are written with non-temporal stores where this machine measured that faster (streaming_stores(),
+// below); the caller allocates them on huge pages (on_huge_pages, convolution_backward.cpp).
 //
 // Small or strided planes take a second kernel with the same contract and task split (below,
 // "channels in vector lanes"): a block of L channels is transposed into [position][channel] tiles, so
@@ -493,7 +493,6 @@ void depthwise_impl(
   const int64_t blocks = (channels + block - 1) / block;
   const int64_t tasks = by_channel ? blocks : p.batch * blocks;
   const int64_t gi_bytes = gi ? p.batch * channels * in_plane * static_cast<int64_t>(sizeof(scalar_t)) : 0;
-  if (gi) advise_huge_pages(gi, gi_bytes);
 #ifdef ATEN_OVERRIDE_AVX512
   // Only outputs far larger than the caches are worth streaming past them, where streaming measured faster.
   const bool stream = gi_bytes >= kStreamBytes && streaming_stores().streaming;
@@ -1200,7 +1199,6 @@ void depthwise_lanes_impl(
   const int64_t blocks = (channels + L - 1) / L;
   const int64_t tasks = by_channel ? blocks : p.batch * blocks;
   const int64_t gi_bytes = gi ? p.batch * channels * in_plane * static_cast<int64_t>(sizeof(scalar_t)) : 0;
-  if (gi) advise_huge_pages(gi, gi_bytes);
 #ifdef ATEN_OVERRIDE_AVX512
   const bool stream = gi_bytes >= kStreamBytes && has_streaming() && gi_s.position == 1 &&
       (streaming ? *streaming : streaming_stores().streaming);

@@ -255,7 +255,6 @@ void grouped_lanes_impl(
   }
   const int64_t tasks = gw ? groups : p.batch * groups;
   const int64_t gi_bytes = gi ? p.batch * groups * ci * in_plane * static_cast<int64_t>(sizeof(scalar_t)) : 0;
-  if (gi) advise_huge_pages(gi, gi_bytes);
 #ifdef ATEN_OVERRIDE_AVX512
   const bool stream = gi_bytes >= kStreamBytes && streaming_stores().streaming;
 #else
