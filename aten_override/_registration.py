@@ -156,14 +156,25 @@ def _range_name(chosen: Implementation, args: ConvolutionBackwardArgs | None) ->
     return f"aten_override::convolution_backward[{name}]"
 
 
+_decided = threading.local()
+
+
+def last_decision() -> Decision | None:
+    """The decision of the latest call :func:`_route` served on this thread (set before the call
+    runs, so a trace records how a call that raised was routed); ``None`` before any."""
+    return getattr(_decided, "decision", None)
+
+
 def _route(keyset, aten_args: tuple, impl: Implementation):
     """Serve one call with ``impl`` (or the original kernel); returns ``(result, Decision)``.
 
-    The decision is counted (:func:`stats`) before the implementation runs, so calls that raise
-    are counted too. While a profiler records (``torch.profiler``, ``torch.autograd.profiler``), the
-    call is a ``record_function`` range named by :func:`_range_name`."""
+    The decision is counted (:func:`stats`) and kept for :func:`last_decision` before the
+    implementation runs, so calls that raise are counted and traced too. While a profiler records
+    (``torch.profiler``, ``torch.autograd.profiler``), the call is a ``record_function`` range named
+    by :func:`_range_name`."""
+    _decided.decision = None
     if impl.is_aten:
-        decision = Decision(impl.name, impl.name)
+        decision = _decided.decision = Decision(impl.name, impl.name)
         _count(decision)
         if _profiler_enabled():
             with torch.profiler.record_function(_range_name(impl, None)):
@@ -171,7 +182,7 @@ def _route(keyset, aten_args: tuple, impl: Implementation):
         return call_original(keyset, aten_args), decision
     args = ConvolutionBackwardArgs(*aten_args)
     chosen, reason = impl.select(args)
-    decision = Decision(impl.name, chosen.name, reason)
+    decision = _decided.decision = Decision(impl.name, chosen.name, reason)
     _count(decision)
     if _profiler_enabled():
         with torch.profiler.record_function(_range_name(chosen, args)):

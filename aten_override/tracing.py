@@ -677,10 +677,18 @@ class trace(contextlib.ContextDecorator):
             record = self._record(call_id, aten_args, impl, module, node, start, end, events)
             record.error = f"{type(e).__name__}: {e}"
             record.inner_calls = _registration.inner_calls()
+            # how the call was routed before it raised (None: it raised choosing, e.g. on invalid arguments)
+            decision = _registration.last_decision()
+            if decision is not None:
+                record.backend, record.fallback_reason = decision.backend, decision.reason
             with self._lock:
-                group = self._agg.group(module, x, w, impl.name, False, self, aten_args)
+                group = self._agg.group(module, x, w, record.backend, record.fallback_reason is not None, self, aten_args)
                 group.calls += 1
                 record.native_backend = group.native
+                if record.fallback_reason is not None:
+                    self._agg.fallbacks += 1
+                    key = f"{decision.requested}: {decision.reason}"
+                    self._agg.fallback_reasons[key] = self._agg.fallback_reasons.get(key, 0) + 1
                 self._agg.add_error(record)
             self._add(record, events, group)
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -403,6 +404,49 @@ def test_backend_error_recorded_and_raised():
     (call,) = t.calls
     assert call.error == "RuntimeError: convolution_backward[broken]: deliberately broken"
     assert "errors:" in t.summary()
+
+
+def _raising_call(dtype, grad_output_size):
+    go = torch.ones(1, 2, grad_output_size, grad_output_size, dtype=dtype)
+    x, w = torch.ones(1, 2, 4, 4, dtype=dtype), torch.ones(2, 2, 3, 3, dtype=dtype)
+    return (go, x, w, [2], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True])
+
+
+@pytest.mark.parametrize(
+    "requested,dtype,grad_output_size,served",
+    [(b, torch.complex64, 4, "aten") for b in BACKENDS]  # a fallback the original kernel raises on
+    + [(b, torch.int64, 4, "aten") for b in BACKENDS]
+    + [(b, torch.float32, 5, b) for b in BACKENDS]  # the backend raises: a wrong grad_output size
+    + [("aten", torch.float32, 5, "aten"), ("auto", torch.float32, 5, None)],
+)
+@pytest.mark.parametrize("nested", [False, True], ids=["one-trace", "nested-traces"])
+def test_a_call_that_raises_is_recorded_as_it_was_routed(requested, dtype, grad_output_size, served, nested):
+    """The whole kind: a call that raises is recorded with the backend that ran it and why (the fallback
+    reason), as stats() counts it, in every trace that sees it, and the summary counts its fallback.
+    Until session 32 such a call was recorded as served by the requested backend with no reason: every
+    fallback the original kernel raises on (integer, complex dtypes on the CPU) read as served by
+    ``compiled`` / ``python`` and the summary said 0 fallbacks (found by a fresh helper)."""
+    aten_override.reset_stats()
+    args = _raising_call(dtype, grad_output_size)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(aten_override.enable(requested))
+        traces = [stack.enter_context(aten_override.trace(log=False)) for _ in range(2 if nested else 1)]
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            _OP(*args)
+    stats = aten_override.stats()
+    reasons = stats.get("fallback_reasons", {})
+    for t in traces:
+        (call,) = t.calls
+        assert call.error
+        if served is None:  # auto: whichever backend it picks, as counted
+            assert stats.get(call.backend) == 1
+        else:
+            assert call.backend == served and stats.get(served) == 1, (call.backend, stats)
+        fell_back = requested not in ("aten",) and call.backend == "aten"
+        assert call.fallback is fell_back
+        if fell_back:
+            assert reasons == {f"{requested}: {call.fallback_reason}": 1}, (reasons, call.fallback_reason)
+        assert f"{int(fell_back)} fallbacks" in t.summary().splitlines()[0]
 
 
 def test_restore_after_trace_and_after_exception():
