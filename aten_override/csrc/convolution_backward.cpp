@@ -887,8 +887,8 @@ OutputLayout output_layout(const Args& a) {
 // `t` (freshly allocated, not yet written), its whole 2 MiB pages hinted to be transparent huge pages
 // where it spans at least two: its first touch then costs one page fault per 2 MiB instead of one per
 // 4 KiB (as c10's THP_MEM_ALLOC_ENABLE does for every large CPU allocation; it is off by default).
-// glibc maps each allocation over 32 MiB afresh and unmaps it when freed, so without the hint every
-// call pays those faults again. Zen 3 VM, one thread, allocating and filling: 38.5 MiB 21.7 -> 3.9 ms,
+// glibc maps an allocation over 32 MiB afresh on most calls (unless free heap space can serve it) and
+// unmaps it when freed, so without the hint such calls pay those faults again. Zen 3 VM, one thread, allocating and filling: 38.5 MiB 21.7 -> 3.9 ms,
 // 100 MiB 61.6 -> 11.4 ms; under 32 MiB glibc reuses its heap and the hint changes nothing measurable.
 // The grad_input of MobileNetV2's 112x112 depthwise layers, wav2vec2's second feature-encoder layer and
 // R(2+1)D's first stages (batch 8) are over 32 MiB. A hint: errors are ignored.
