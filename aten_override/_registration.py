@@ -75,6 +75,7 @@ __all__ = [
     "release",
     "is_lingering",
     "inner_calls",
+    "last_decision",
     "Decision",
     "LINGER_AFTER",
     "LINGER_WINDOW_S",
@@ -160,8 +161,9 @@ _decided = threading.local()
 
 
 def last_decision() -> Decision | None:
-    """The decision of the latest call :func:`_route` served on this thread (set before the call
-    runs, so a trace records how a call that raised was routed); ``None`` before any."""
+    """The decision :func:`_route` made for this thread's current (or last) call, set before the
+    call runs, so a trace records how a call that raised was routed; ``None`` while the call has not
+    been routed (cleared as each call enters the kernel)."""
     return getattr(_decided, "decision", None)
 
 
@@ -222,6 +224,7 @@ def _kernel(keyset, *aten_args):
         impl = ATEN_IMPL
     _reentry.depth = 1
     _reentry.inner = 0
+    _decided.decision = None  # each call starts without one: a trace whose observer chain raises before routing records none
     try:
         return _observe_and_route(keyset, aten_args, impl)
     finally:

@@ -885,18 +885,20 @@ OutputLayout output_layout(const Args& a) {
 }
 
 // `t` (freshly allocated, not yet written), its whole 2 MiB pages hinted to be transparent huge pages
-// where it spans at least two: its first touch then costs one page fault per 2 MiB instead of one per
-// 4 KiB (as c10's THP_MEM_ALLOC_ENABLE does for every large CPU allocation; it is off by default).
-// glibc maps an allocation over 32 MiB afresh on most calls (unless free heap space can serve it) and
-// unmaps it when freed, so without the hint such calls pay those faults again. Zen 3 VM, one thread, allocating and filling: 38.5 MiB 21.7 -> 3.9 ms,
-// 100 MiB 61.6 -> 11.4 ms; under 32 MiB glibc reuses its heap and the hint changes nothing measurable.
-// The grad_input of MobileNetV2's 112x112 depthwise layers, wav2vec2's second feature-encoder layer and
-// R(2+1)D's first stages (batch 8) are over 32 MiB. A hint: errors are ignored.
+// where it is over 32 MiB: its first touch then costs one page fault per 2 MiB instead of one per 4 KiB
+// (as c10's THP_MEM_ALLOC_ENABLE does for every large CPU allocation; it is off by default). glibc
+// maps an allocation over 32 MiB afresh on most calls (unless free heap space can serve it) and unmaps
+// it when freed, so without the hint such calls pay those faults again. Zen 3 VM, one thread,
+// allocating and filling: 38.5 MiB 21.7 -> 3.9 ms, 100 MiB 61.6 -> 11.4 ms. Smaller outputs are not
+// hinted: glibc serves them from its heap, where the hint measured nothing and would outlive the tensor
+// (the flag stays on the heap's pages for whatever is allocated there next). The grad_input of
+// MobileNetV2's 112x112 depthwise layers, wav2vec2's second feature-encoder layer and R(2+1)D's first
+// stages (batch 8) are over 32 MiB. A hint: errors are ignored.
 at::Tensor on_huge_pages(at::Tensor t) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHugePage = uintptr_t(1) << 21;
   const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-  if (!t.is_cpu() || bytes < static_cast<int64_t>(2 * kHugePage)) return t;
+  if (!t.is_cpu() || bytes <= (int64_t{32} << 20)) return t;
   const auto data = reinterpret_cast<uintptr_t>(t.data_ptr());
   const uintptr_t begin = (data + kHugePage - 1) & ~(kHugePage - 1), end = (data + bytes) & ~(kHugePage - 1);
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
