@@ -174,7 +174,6 @@ def _route(keyset, aten_args: tuple, impl: Implementation):
     implementation runs, so calls that raise are counted and traced too. While a profiler records
     (``torch.profiler``, ``torch.autograd.profiler``), the call is a ``record_function`` range named
     by :func:`_range_name`."""
-    _decided.decision = None
     if impl.is_aten:
         decision = _decided.decision = Decision(impl.name, impl.name)
         _count(decision)

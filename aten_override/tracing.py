@@ -662,12 +662,15 @@ class trace(contextlib.ContextDecorator):
             return previous(keyset, aten_args, impl, route)
         return route(keyset, aten_args, impl)
 
-    def _call_ns(self, start: int, end: int) -> int:
-        """Host nanoseconds of the call itself: ``end - start``, or, under an outer trace, the time that
-        trace measured (ours would include its bookkeeping and its verify's rerun of the original kernel)."""
+    def _call_end(self, start: int) -> int:
+        """The call's end on the host clock, ``start`` plus the call's own time: ours, or, under an outer
+        trace, the time that trace measured (ours would include its bookkeeping and its verify's rerun of
+        the original kernel). Published for a trace inside this one."""
+        elapsed = time.perf_counter_ns() - start
         if self._previous_observer is not None and getattr(_call_time, "ns", None) is not None:
-            return _call_time.ns
-        return end - start
+            elapsed = _call_time.ns
+        _call_time.ns = elapsed
+        return start + elapsed
 
     def _observe(self, keyset, aten_args: tuple, impl, route):
         call_id = next(self._next_call_id)  # every call gets its number, recorded or not
@@ -684,9 +687,7 @@ class trace(contextlib.ContextDecorator):
         try:
             result, decision = self._route(keyset, aten_args, impl, route)
         except BaseException as e:
-            end = time.perf_counter_ns()
-            end = start + self._call_ns(start, end)
-            _call_time.ns = end - start
+            end = self._call_end(start)
             if events is not None:
                 events[1].record()
             record = self._record(call_id, aten_args, impl, module, node, start, end, events)
@@ -701,15 +702,11 @@ class trace(contextlib.ContextDecorator):
                 group.calls += 1
                 record.native_backend = group.native
                 if record.fallback_reason is not None:
-                    self._agg.fallbacks += 1
-                    key = f"{decision.requested}: {decision.reason}"
-                    self._agg.fallback_reasons[key] = self._agg.fallback_reasons.get(key, 0) + 1
+                    self._agg.add_fallback(decision)
                 self._agg.add_error(record)
             self._add(record, events, group)
             raise
-        end = time.perf_counter_ns()
-        end = start + self._call_ns(start, end)
-        _call_time.ns = end - start  # for an inner trace (see _call_ns)
+        end = self._call_end(start)
         if events is not None:
             events[1].record()
         served, fallback = decision.backend, decision.reason is not None
@@ -728,9 +725,7 @@ class trace(contextlib.ContextDecorator):
             if self.timing and events is None:
                 group.total_us += (end - start) / 1e3
             if fallback:
-                agg.fallbacks += 1
-                key = f"{decision.requested}: {decision.reason}"
-                agg.fallback_reasons[key] = agg.fallback_reasons.get(key, 0) + 1
+                agg.add_fallback(decision)
             if verification is not None:
                 agg.verified += 1
         if failed or (
@@ -1003,6 +998,11 @@ class _LiveAggregates:
             g = self.groups.setdefault(key, _Group(module, _shape_text(x.shape, x.dtype), _shape_text(w.shape, w.dtype),
                                                    served, fallback, native))
         return g
+
+    def add_fallback(self, decision: _registration.Decision) -> None:
+        self.fallbacks += 1
+        key = f"{decision.requested}: {decision.reason}"
+        self.fallback_reasons[key] = self.fallback_reasons.get(key, 0) + 1
 
     def add_failure(self, record: CallRecord) -> None:
         self.failed += 1
