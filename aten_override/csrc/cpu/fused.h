@@ -401,6 +401,31 @@ constexpr int64_t kBlockBytes = 64 << 10;
 // Smallest grad_input (bytes) written with non-temporal stores.
 constexpr int64_t kStreamBytes = 8 << 20;
 
+// The stride-phase classes of padded positions (t % stride_t, h % stride_h, w % stride_w) and the
+// taps that reach each: class_taps[class_begin[c] .. class_begin[c + 1]). The channels-in-lanes
+// walks (cpu/depthwise.cpp, cpu/grouped.cpp) gather each padded position from its class's taps alone:
+// the others meet only the zeros between spread grad_output positions.
+struct PhaseTaps {
+  std::vector<int64_t> class_taps, class_begin;
+};
+
+inline PhaseTaps phase_taps(const DirectProblem& p) {
+  const int64_t classes = p.stride[0] * p.stride[1] * p.stride[2];
+  std::vector<std::vector<int64_t>> by_class(classes);
+  for (int64_t kt = 0, tap = 0; kt < p.kernel[0]; ++kt) {
+    for (int64_t kh = 0; kh < p.kernel[1]; ++kh) {
+      for (int64_t kw = 0; kw < p.kernel[2]; ++kw, ++tap) {
+        const int64_t c = ((kt * p.dilation[0] % p.stride[0]) * p.stride[1] + kh * p.dilation[1] % p.stride[1]) *
+                p.stride[2] + kw * p.dilation[2] % p.stride[2];
+        by_class[c].push_back(tap);
+      }
+    }
+  }
+  PhaseTaps out;
+  flatten(by_class, out.class_taps, out.class_begin);
+  return out;
+}
+
 // Padded position index (in a Plane, lanes = 1) of each input position, in (t, h, w) order.
 inline std::vector<int64_t> input_positions(const Plane& g) {
   std::vector<int64_t> out;

@@ -64,6 +64,16 @@ def _calls():
         "depthwise 14x14 f16": _call(20, 20, 20, 3, (14, 14), padding=1, dtype=torch.float16),
         "depthwise 14x14 f64 x2": _call(9, 18, 9, 3, (14, 14), padding=1, dtype=torch.float64),
         "depthwise channels_last s2": _call(20, 20, 20, 3, (23, 23), stride=2, padding=1, channels_last=True),
+        # the lanes walks gather each input position from the taps of its stride phase in every
+        # dimension: phases no tap reaches (dilation a multiple of the stride, strides over the kernel),
+        # strides differing per dimension, a channel multiplier, 3-D, on whole-plane and banded tiles
+        "depthwise s2 dilation 2 (phases without taps)": _call(20, 20, 20, 3, (21, 23), stride=2, padding=2,
+                                                               dilation=2),
+        "depthwise 1-D k2 s3 (phases without taps)": _call(17, 17, 17, 2, (40,), stride=3, padding=1),
+        "depthwise k(3, 5) s(1, 2) p(1, 2) x2": _call(10, 20, 10, (3, 5), (15, 17), stride=(1, 2), padding=(1, 2)),
+        "depthwise 3-D k3 s(2, 1, 3) p1": _call(16, 16, 16, 3, (7, 9, 14), stride=(2, 1, 3), padding=1),
+        "depthwise 118x118 k3 s2 d2 p2 batch 1 (bands)": _call(17, 17, 17, 3, (118, 118), stride=2, padding=2,
+                                                               dilation=2, batch=1),
         # depthwise-bands: planes whose whole-plane lanes tiles (3 x 64 bytes per padded position) exceed
         # the L2 of machines with up to 2 MiB per core; channels not a multiple of 16, batch 1 and 3
         "depthwise 112x112 s2 (MobileNetV2 layer.0) batch 3": _call(20, 20, 20, 3, (112, 112), stride=2, padding=1, batch=3),
