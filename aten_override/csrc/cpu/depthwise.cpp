@@ -602,6 +602,7 @@ struct Run {
 struct LanesWalk {
   std::vector<int64_t> outputs;
   std::vector<int64_t> inputs, input_begin;  // class c: inputs[input_begin[c] .. input_begin[c + 1])
+  // phase_taps' classes (stride phase in T, H and W), not the Plane's row classes (T, H only).
   std::vector<int64_t> class_taps, class_begin;
   // The register-blocked walks: taps per kernel row (row r's taps are r * row_width + 0 .. row_width - 1,
   // one position apart), 0 where they do not apply; `outputs` and the (single class's) inputs as runs.
