@@ -628,8 +628,7 @@ LanesWalk lanes_walk(const DirectProblem& p, const Plane& g) {
   for (int64_t t = g.pad_t; t < g.pad_t + g.in_t; ++t) {
     for (int64_t h = g.pad_h; h < g.pad_h + g.in_h; ++h) {
       for (int64_t w = g.pad_w; w < g.pad_w + g.in_w; ++w) {
-        by_class[((t % g.stride_t) * g.stride_h + h % g.stride_h) * g.stride_w + w % g.stride_w].push_back(
-            g.row(t, h) + w);
+        by_class[g.phase_class(t, h, w)].push_back(g.row(t, h) + w);
       }
     }
   }

@@ -120,6 +120,10 @@ struct Plane {
   int64_t row(int64_t t, int64_t h) const { return (t * rows_h + h) * pitch; }
   int64_t in_row(int64_t t, int64_t h) const { return row(t + pad_t, h + pad_h) + pad_w; }
   int64_t out_row(int64_t t, int64_t h) const { return row(t * stride_t, h * stride_h); }
+  // The stride-phase class (phase_taps') of padded position (t, h, w).
+  int64_t phase_class(int64_t t, int64_t h, int64_t w) const {
+    return ((t % stride_t) * stride_h + h % stride_h) * stride_w + w % stride_w;
+  }
   // grad_output positions span [0, span) in gs (from its margin); interior of xp / grad_input [first, last).
   int64_t span() const { return out_row(out_t - 1, out_h - 1) + (out_w - 1) * stride_w + 1; }
   int64_t first() const { return in_row(0, 0); }

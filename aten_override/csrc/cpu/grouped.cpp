@@ -134,7 +134,7 @@ ATEN_OVERRIDE_INLINE void grouped_gather_plane(
         const int64_t c0 = g.pad_w + ((phase - g.pad_w) % g.stride_w + g.stride_w) % g.stride_w;
         if (c0 >= g.pad_w + g.in_w) continue;
         const int64_t count = (g.pad_w + g.in_w - 1 - c0) / g.stride_w + 1;
-        const int64_t cls = ((t % g.stride_t) * g.stride_h + h % g.stride_h) * g.stride_w + phase;
+        const int64_t cls = g.phase_class(t, h, phase);
         const int64_t begin = phases.class_begin[cls], ntaps = phases.class_begin[cls + 1] - begin;
         const int64_t* taps = phases.class_taps.data() + begin;
         const int64_t j0 = g.row(t, h) + c0;
