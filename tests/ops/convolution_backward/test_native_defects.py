@@ -204,11 +204,11 @@ AMX_3D = {
 
 def test_amx_3d_weight_predicate():
     """The Python predicate and the compiled backend agree: a bfloat16 3-D call that asks for
-    grad_weight, regular or transposed, never reaches the original kernel (dead-taps, or a class of
-    our own kernels such as pointwise) exactly where the CPU has AMX-BF16; float16, 2-D and
-    grad_input-only calls stay where they were. The 1x1x1 call is the pointwise class's on every CPU
-    where native picks oneDNN (our GEMMs, AMX or not: a Zen 4 VM's table gives it gemm-im2col), so
-    only its predicate follows AMX."""
+    grad_weight, regular or transposed, and that the layer-class table would leave to native never
+    reaches the original kernel (dead-taps, or a class of our own kernels) exactly where the CPU has
+    AMX-BF16; float16, 2-D and grad_input-only calls stay where they were. The 1x1x1 call is the
+    pointwise class's (our GEMMs) on every CPU where native picks oneDNN, AMX or not (a Zen 4 VM's
+    table gives it gemm-im2col): only its predicate follows AMX."""
     from aten_override.ops.convolution_backward import compiled
 
     amx = cpu_has_amx_bf16()
