@@ -122,9 +122,29 @@ def _stale_reason(found) -> str | None:
     return None
 
 
+# The measurements a results file recorded for the entries this process took from it, by signature:
+# the C++ table keeps only a loaded entry's kernel, so without these a file written back after being
+# reused (every ``enable(autotune=path)`` block, and interpreter exit) lost why each kernel won.
+_loaded_records: dict[str, dict] = {}
+
+
+def _record_of(row: dict) -> dict | None:
+    """``{"kernel", "times_us", "rejected", "tune_us"}`` of a results file's entry, or ``None`` where
+    its measurements are not of the form :func:`save` writes (the entry itself may still be taken)."""
+    times, rejected, tune_us = row.get("times_us"), row.get("rejected"), row.get("tune_us")
+    if not (isinstance(times, dict) and all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in times.items())):
+        return None
+    if not (isinstance(rejected, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in rejected.items())):
+        return None
+    if not isinstance(tune_us, (int, float)):
+        return None
+    return {"kernel": str(row["kernel"]), "times_us": dict(times), "rejected": dict(rejected), "tune_us": float(tune_us)}
+
+
 def entries() -> list[dict]:
     """The in-memory results table: ``[{"signature", "kernel", "times_us", "rejected", "tune_us"}]``
-    (times in microseconds; empty for entries loaded from a file)."""
+    (times in microseconds; empty for entries loaded from a file: this process measured nothing for
+    them, and :func:`save` writes the file's own measurements back for them)."""
     ext = _ext()
     if ext is None:
         return []
@@ -134,11 +154,21 @@ def entries() -> list[dict]:
     ]
 
 
+def _as_recorded(row: dict) -> dict:
+    """An :func:`entries` row as the file it was loaded from recorded it, where it was loaded (its
+    kernel unchanged, nothing measured in this process)."""
+    record = _loaded_records.get(row["signature"])
+    if row["times_us"] or row["tune_us"] or record is None or record["kernel"] != row["kernel"]:
+        return row
+    return {**row, "times_us": record["times_us"], "rejected": record["rejected"], "tune_us": record["tune_us"]}
+
+
 def clear() -> None:
     """Forget every tuned signature of this process."""
     ext = _ext()
     if ext is not None:
         ext.autotune_clear()
+    _loaded_records.clear()
 
 
 def load(path: str | os.PathLike) -> int:
@@ -163,6 +193,10 @@ def load(path: str | os.PathLike) -> int:
         log.warning("aten_override: ignoring autotune results file %s: measured elsewhere (%s)", path, stale)
         return 0
     taken = ext.autotune_load(rows)
+    for row in data["entries"]:
+        record = _record_of(row) if isinstance(row, dict) else None
+        if record is not None:
+            _loaded_records[str(row["signature"])] = record
     if taken < len(rows):
         log.warning("aten_override: %d of %d entries of %s were not usable", len(rows) - taken, len(rows), path)
     return taken
@@ -172,9 +206,10 @@ _save_lock = threading.Lock()
 
 
 def save(path: str | os.PathLike) -> int:
-    """Write the table (with :func:`header`) to ``path``, atomically; returns the number of entries."""
+    """Write the table (with :func:`header`) to ``path``, atomically; returns the number of entries.
+    Entries loaded from a file keep the measurements it recorded for them."""
     path = Path(path)
-    rows = entries()
+    rows = [_as_recorded(row) for row in entries()]
     data = {"header": header(), "entries": rows}
     with _save_lock:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -319,6 +319,9 @@ def test_tuning_a_small_call_evicts_its_tensors_instead_of_writing_a_cache_sized
 
 
 def test_results_file_makes_a_second_process_skip_tuning(tmp_path):
+    """The second process takes the first one's choice from the file and tunes nothing; writing the
+    file back on leaving, it keeps the measurements the first one recorded (a new user found every
+    reused file's times_us, rejected and tune_us emptied: the C++ table keeps only the kernel)."""
     path = tmp_path / "tune.json"
     script = tmp_path / "child.py"
     script.write_text(
@@ -338,6 +341,8 @@ def test_results_file_makes_a_second_process_skip_tuning(tmp_path):
     stats = json.loads(second.stdout.splitlines()[-1])
     assert "compiled_tuning" not in stats, stats
     assert stats["compiled_kernels"] == {data["entries"][0]["kernel"]: 1}, stats
+    assert data["entries"][0]["times_us"] and data["entries"][0]["tune_us"] > 0, data
+    assert json.loads(path.read_text())["entries"] == data["entries"]
 
 
 @pytest.mark.parametrize("damage", ["stale cpu_model", "stale build_id", "corrupt"])
@@ -449,6 +454,32 @@ def _write_entries(path, args, choice):
     path.write_text(json.dumps(data))
     autotune.clear()
     aten_override.reset_stats()
+
+
+@pytest.mark.parametrize("field,value", [(None, None), ("times_us", [1.0]), ("times_us", {"native": "fast"}),
+                                         ("rejected", {"native": 3}), ("tune_us", "slow")])
+def test_a_results_file_entry_keeps_its_measurements_or_is_taken_without_malformed_ones(tmp_path, field, value):
+    """An entry loaded from a file is written back with the measurements the file recorded; where those
+    are not of the form the file is written in, the entry's kernel is still taken (no tuning) and it is
+    written back with empty ones."""
+    args = _dense_call()
+    path = tmp_path / "tune.json"
+    _write_entries(path, args, "winograd")
+    data = json.loads(path.read_text())
+    (recorded,) = data["entries"]
+    assert recorded["times_us"] and recorded["tune_us"] > 0, recorded
+    if field is not None:
+        recorded[field] = value
+        path.write_text(json.dumps(data))
+    with aten_override.enable("compiled", autotune=path):
+        _OP(*args)
+    stats = aten_override.stats()
+    assert "compiled_tuning" not in stats and stats["compiled_kernels"] == {"winograd": 1}, stats
+    (written,) = json.loads(path.read_text())["entries"]
+    if field is None:
+        assert written == recorded
+    else:
+        assert written == {**recorded, "times_us": {}, "rejected": {}, "tune_us": 0.0}
 
 
 @pytest.mark.parametrize(
