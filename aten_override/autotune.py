@@ -193,9 +193,8 @@ def load(path: str | os.PathLike) -> int:
         log.warning("aten_override: ignoring autotune results file %s: measured elsewhere (%s)", path, stale)
         return 0
     taken = ext.autotune_load(rows)
-    for row in data["entries"]:
-        record = _record_of(row) if isinstance(row, dict) else None
-        if record is not None:
+    for row in data["entries"]:  # dicts with a signature and a kernel: `rows` above read them
+        if (record := _record_of(row)) is not None:
             _loaded_records[str(row["signature"])] = record
     if taken < len(rows):
         log.warning("aten_override: %d of %d entries of %s were not usable", len(rows) - taken, len(rows), path)
