@@ -476,7 +476,10 @@ def stats() -> dict[str, object]:
     what tuning cost (microseconds) and the bytes it evicted from the caches around its timed runs
     (CPUs with ``clflushopt``; 0 elsewhere, or where the call's tensors exceed the caches), when any
     signature was tuned; ``"compiled_rescaled": n`` the calls it computed on operands x 2^k because
-    their gradients underflow (``_C.subnormal_cost()``), when any."""
+    their gradients underflow (``_C.subnormal_cost()``), when any; ``"compiled_non_finite": {"declined":
+    n, "skipped": m}`` the calls whose inf / NaN the chosen kernel of ours declined (native computed
+    them after it) and those sent to native without running it (their signature's last call was
+    declined and an operand still holds an inf / NaN), when any."""
     with _state.counts_lock:
         counts = Counter(_state.counts)
         reasons = Counter(_state.fallback_reasons)
@@ -492,6 +495,7 @@ def stats() -> dict[str, object]:
         kernels = cpp["kernels"]
         tuning = {"signatures": cpp["tunings"], "us": cpp["tune_us"], "evicted_bytes": cpp["evicted_bytes"]}
         rescaled = cpp["rescaled"]
+        non_finite = {"declined": cpp["declined"], "skipped": cpp["skipped"]}
     out: dict[str, object] = {k: n for k, n in counts.items() if n}
     out["fallback_reasons"] = dict(reasons)
     if layer_classes:
@@ -502,6 +506,8 @@ def stats() -> dict[str, object]:
         out["compiled_tuning"] = tuning
     if ext is not None and rescaled:
         out["compiled_rescaled"] = rescaled
+    if ext is not None and any(non_finite.values()):
+        out["compiled_non_finite"] = non_finite
     return out
 
 

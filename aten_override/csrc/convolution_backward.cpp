@@ -36,6 +36,7 @@
 #include <tuple>
 #include <type_traits>
 #include <unordered_map>
+#include <unordered_set>
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -278,6 +279,8 @@ struct Counters {
   std::atomic<int64_t> served{0};    // calls the registered C++ kernel served in the compiled backend
   std::atomic<int64_t> fallback{0};  // calls it handed to the original kernel
   std::atomic<int64_t> rescaled{0};  // served calls computed on operands x 2^k (serve_rescaled)
+  std::atomic<int64_t> declined{0};  // calls a chosen kernel of ours declined (inf / NaN): reference_kernel's
+  std::atomic<int64_t> skipped{0};   // calls sent to reference_kernel unoffered (Declining, below)
   std::mutex reasons_mutex;
   std::map<std::string, int64_t> fallback_reasons;
 };
@@ -2226,12 +2229,94 @@ Choice choose_kernel(const Args& a, const Expanded& e, LayerClass cls) {
   return choice;
 }
 
+// --- calls with inf / NaN ------------------------------------------------------------------------
+// Whether run_kernel(k) may decline a CPU call's values: our computing kernels; native and the kernels
+// that stand on it (upcast, fold-2d, live-taps) never do.
+bool may_decline(Kernel k) {
+  switch (k) {
+    case Kernel::Native:
+    case Kernel::Zeros:
+    case Kernel::Sum:
+    case Kernel::Upcast:
+    case Kernel::Fold2d:
+    case Kernel::LiveTaps:
+    case Kernel::Test:
+      return false;
+    default:
+      return true;
+  }
+}
+
+// Signatures whose last call a kernel of ours declined. A non-finite grad_weight (or Winograd's
+// grad_input) is only found after the kernel computed it, and reference_kernel then computes the call
+// again: twice its time, on every layer of every step whose backward carries an inf / NaN (a float16
+// GradScaler's overflowing steps, a diverging run; R(2+1)D-18's bfloat16 step at one thread took 1.06x
+// native's time, its gemm-kn2row layers 1.3-1.9x native's). The next calls of such a signature first
+// read their operands (all_finite: one pass, memory speed) and go to reference_kernel unoffered while an
+// inf / NaN is there; a finite call runs the choice and clears the mark. `count` keeps every other
+// call free of the lookup (no signature is computed while it is 0).
+struct Declining {
+  static constexpr size_t kMaxSignatures = 1024;  // a bound on memory: past it the marks start over
+  std::mutex mutex;
+  std::unordered_set<Signature, SignatureHash> signatures;
+  std::atomic<int64_t> count{0};
+
+  bool marked(const Signature& key) {
+    std::lock_guard<std::mutex> lock(mutex);
+    return signatures.count(key) > 0;
+  }
+  void mark(Signature key) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (signatures.size() >= kMaxSignatures) signatures.clear();
+    signatures.insert(std::move(key));
+    count.store(static_cast<int64_t>(signatures.size()), std::memory_order_relaxed);
+  }
+  void unmark(const Signature& key) {
+    std::lock_guard<std::mutex> lock(mutex);
+    signatures.erase(key);
+    count.store(static_cast<int64_t>(signatures.size()), std::memory_order_relaxed);
+  }
+};
+
+Declining& declining() {
+  static Declining d;
+  return d;
+}
+
+// Whether the operands a call's requested results read are free of inf / NaN.
+bool operands_finite(const Args& a) {
+  return all_finite(a.grad_output) && (!a.output_mask[0] || all_finite(a.weight)) &&
+      (!a.output_mask[1] || all_finite(a.input));
+}
+
 // The choice for a checked call of class `cls` and its result (reference_kernel's: native's, where the
-// choice declines the call's values).
+// choice declines the call's values, or where its signature's last call was declined and the call's
+// operands are not finite: Declining).
 std::pair<Choice, Result> choose_and_run(const Args& a, const Expanded& e, LayerClass cls) {
   Choice choice = choose_kernel(a, e, cls);
-  auto result = run_choice(choice, a, e);
+  std::optional<Result> result;
+  bool offered = true;
+  if (a.grad_output.is_cpu() && (may_decline(choice.gi) || may_decline(choice.gw))) {
+    auto& d = declining();
+    std::optional<Signature> key;
+    bool marked = false;
+    if (d.count.load(std::memory_order_relaxed) > 0) {
+      key = signature(a);
+      marked = d.marked(*key);
+      offered = !marked || operands_finite(a);
+    }
+    if (offered) result = run_choice(choice, a, e);
+    if (offered && !result) {
+      d.mark(key ? std::move(*key) : signature(a));
+      counters().declined.fetch_add(1, std::memory_order_relaxed);
+    } else if (offered && marked) {
+      d.unmark(*key);
+    }
+  } else {
+    result = run_choice(choice, a, e);
+  }
   if (!result) {
+    if (!offered) counters().skipped.fetch_add(1, std::memory_order_relaxed);
     choice = Choice::whole(reference_kernel(a, e));
     result = run_kernel(choice.gi, a, e);
   }
@@ -2664,6 +2749,8 @@ py::dict py_stats() {
   out["served"] = c.served.load();
   out["fallback"] = c.fallback.load();
   out["rescaled"] = c.rescaled.load();
+  out["declined"] = c.declined.load();
+  out["skipped"] = c.skipped.load();
   out["fallback_reasons"] = reasons;
   out["layer_classes"] = classes;
   py::dict kernels;
@@ -2695,6 +2782,8 @@ void py_reset_stats() {
   c.served.store(0);
   c.fallback.store(0);
   c.rescaled.store(0);
+  c.declined.store(0);
+  c.skipped.store(0);
   std::lock_guard<std::mutex> lock(c.reasons_mutex);
   c.fallback_reasons.clear();
 }

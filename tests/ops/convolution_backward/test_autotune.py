@@ -597,6 +597,85 @@ def test_non_finite_values_after_tuning_get_natives_results(layer, bad):
         torch.testing.assert_close(o, n, equal_nan=True, rtol=1e-4, atol=1e-4)
 
 
+_NON_FINITE_LAYERS = {
+    # name: (input, weight, groups, stride, padding, dtype, the kernel of ours that serves it)
+    "depthwise": ((2, 8, 12, 12), (8, 1, 3, 3), 8, [1, 1], [1, 1], torch.float32, "depthwise-plane"),
+    "depthwise bfloat16": ((2, 16, 12, 12), (16, 1, 3, 3), 16, [2, 2], [1, 1], torch.bfloat16, "depthwise-lanes"),
+    "grouped": ((2, 8, 17, 17), (8, 4, 3, 3), 2, [2, 2], [1, 1], torch.float32, "direct"),
+    "one-channel 1-D": ((2, 1, 400), (8, 1, 10), 1, [5], [0], torch.float32, "direct"),
+    "dense 3x3": ((2, 8, 10, 10), (8, 8, 3, 3), 1, [1, 1], [1, 1], torch.float32, "winograd"),
+    "dense 3x3 im2col": ((2, 8, 10, 10), (8, 8, 3, 3), 1, [2, 2], [1, 1], torch.float32, "gemm-im2col"),
+    "pointwise": ((2, 16, 10, 10), (32, 16, 1, 1), 1, [1, 1], [0, 0], torch.float32, "pointwise-fused"),
+    "3x1x1": ((2, 8, 6, 5, 5), (8, 8, 3, 1, 1), 1, [1, 1, 1], [1, 0, 0], torch.float32, "kn2row-planes"),
+    "3x1x1 bfloat16": ((2, 8, 6, 5, 5), (8, 8, 3, 1, 1), 1, [2, 1, 1], [1, 0, 0], torch.bfloat16, "gemm-kn2row"),
+    "1-D": ((2, 8, 40), (8, 8, 3), 1, [2], [1], torch.float32, "kn2row-lanes"),
+}
+
+
+def _non_finite_call(layer: str, where: str | None, bad: float) -> tuple:
+    """A call of `layer` (_NON_FINITE_LAYERS) with `bad` in `where` (an operand's name) or finite."""
+    xs, ws, groups, stride, padding, dtype, _ = _NON_FINITE_LAYERS[layer]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(xs, generator=g).to(dtype)
+    w = torch.randn(ws, generator=g).to(dtype)
+    d = len(xs) - 2
+    out = [(n + 2 * p - k) // s + 1 for n, k, s, p in zip(xs[2:], ws[2:], stride, padding)]
+    go = torch.randn(xs[0], ws[0], *out, generator=g).to(dtype)
+    operands = {"grad_output": go, "input": x}
+    if where is not None:
+        operands[where].view(-1)[operands[where].numel() // 2] = bad
+    return (go, x, w, [ws[0]], stride, padding, [1] * d, False, [0] * d, groups, [True, True, True])
+
+
+@pytest.mark.parametrize("where", ["grad_output", "input"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("layer", list(_NON_FINITE_LAYERS))
+def test_a_signature_whose_call_was_declined_sends_non_finite_calls_to_native_unoffered(tmp_path, layer, bad, where):
+    """An inf / NaN in grad_output or input makes grad_weight non-finite, and each kernel of ours
+    declines such a call (before computing it, or after, where native then computes the call again:
+    twice its time; R(2+1)D-18's bfloat16 step, whose backward carried inf / NaN, took 1.06x native's).
+    The next calls of that signature with an inf / NaN go to native without running our kernel
+    (``skipped``); a finite call runs our kernel again and clears the mark, so the non-finite call
+    after it is offered again. The kernel is named by a results file (the table's kernel for the
+    first layer, run without one too); every result is native's, NaN and inf where native has them."""
+    kernel = _NON_FINITE_LAYERS[layer][-1]
+    calls = {"bad": _non_finite_call(layer, where, bad), "finite": _non_finite_call(layer, None, bad)}
+    natives = {name: call_native(args) for name, args in calls.items()}
+    assert natives["bad"][1].isfinite().logical_not().any()  # a case that matters: grad_weight is not finite
+    modes = {"file": tmp_path / "tune.json"}
+    if layer == "depthwise":
+        modes["table"] = False
+    _write_entries(modes["file"], calls["finite"], kernel)
+
+    def run(name: str, declined: int, skipped: int) -> None:
+        before = dict(aten_override.stats().get("compiled_kernels", {}))
+        result = _OP(*calls[name])
+        stats = aten_override.stats()
+        assert stats.get("compiled_non_finite", {"declined": 0, "skipped": 0}) == {
+            "declined": declined, "skipped": skipped}, (name, stats)
+        ran = {k: n - before.get(k, 0) for k, n in stats["compiled_kernels"].items() if n != before.get(k, 0)}
+        assert ran == {kernel if name == "finite" else "native": 1}, ran
+        if name == "finite":
+            check_against_native(result, natives[name], output_mask=calls[name][-1])
+            return
+        for o, n in zip(result, natives[name]):
+            assert o.dtype == n.dtype and o.shape == n.shape and o.stride() == n.stride()
+            torch.testing.assert_close(o, n, equal_nan=True, rtol=0, atol=0)
+
+    for mode, autotune_setting in modes.items():
+        aten_override.reset_stats()
+        with aten_override.enable("compiled", autotune=autotune_setting):
+            run("finite", 0, 0)
+            run("bad", 1, 0)  # our kernel declined the call: native computed it
+            run("bad", 1, 1)  # not offered to our kernel
+            run("bad", 1, 2)
+            run("finite", 1, 2)  # offered again: our kernel serves it, and the mark is gone
+            run("bad", 2, 2)
+            run("bad", 2, 3)
+            run("finite", 2, 3)  # clears the mark the block would otherwise leave for the next mode
+        autotune.clear()
+
+
 def test_a_first_call_with_non_finite_values_does_not_pin_its_signature():
     """A signature first called with an inf (a bad batch, an overflowing loss scale): our kernels
     decline it, so they cannot be timed and native wins that tuning. It is not stored: the next,
