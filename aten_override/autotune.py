@@ -173,6 +173,8 @@ def clear() -> None:
 
 def load(path: str | os.PathLike) -> int:
     """Add the valid entries of the results file ``path`` to the table; returns how many were taken.
+    A signature the table already holds (tuned in this process, or read before: each
+    ``enable(autotune=path)`` reads the file again) keeps the table's choice and counts as taken.
 
     A missing file takes nothing; a corrupt one, or one measured elsewhere (another torch, oneDNN,
     CPU model, ISA or build), is ignored as a whole with a warning on the ``aten_override.autotune``

@@ -2819,7 +2819,9 @@ py::list py_autotune_entries() {
 }
 
 // Adds (signature, kernel name) entries, as autotune_entries() gives them; returns how many were taken
-// (an unknown kernel name or a malformed signature is skipped). Entries already present are kept.
+// (an unknown kernel name or a malformed signature is skipped). A signature the table already holds
+// (tuned in this process, or read from a file before: re-entering enable(autotune=path) reads the file
+// again) keeps the table's choice and counts as taken: it is no unusable entry.
 int64_t py_autotune_load(const std::vector<std::pair<std::string, std::string>>& entries) {
   auto& tuner = autotuner();
   int64_t taken = 0;
@@ -2844,7 +2846,8 @@ int64_t py_autotune_load(const std::vector<std::pair<std::string, std::string>>&
     if (!ok) continue;
     Tuned tuned;
     tuned.choice = *choice;
-    taken += tuner.table.emplace(std::move(key), std::move(tuned)).second;
+    tuner.table.emplace(std::move(key), std::move(tuned));
+    ++taken;
   }
   return taken;
 }

@@ -345,6 +345,30 @@ def test_results_file_makes_a_second_process_skip_tuning(tmp_path):
     assert json.loads(path.read_text())["entries"] == data["entries"]
 
 
+def test_re_entering_with_the_same_results_file_takes_its_entries_without_a_warning(tmp_path, caplog):
+    """enable(autotune=path) reads the file on every entry, so a process's second block finds the
+    signatures it tuned (or read) already in the table. They count as taken, with the table's choice
+    kept: no warning that they were "not usable" (a loop entering the block per step warned at every
+    step), and nothing is tuned again. An entry the file names differently (edited by hand) keeps the
+    choice this process measured."""
+    args = depthwise_call(8, 10)
+    path = tmp_path / "tune.json"
+    with caplog.at_level(logging.WARNING, logger="aten_override"):
+        for _ in range(3):
+            with aten_override.enable("compiled", autotune=path):
+                ours = _OP(*args)
+        (entry,) = autotune.entries()
+        data = json.loads(path.read_text())
+        other = "depthwise-plane" if entry["kernel"] != "depthwise-plane" else "depthwise-lanes"
+        data["entries"][0]["kernel"] = other
+        path.write_text(json.dumps(data))
+        assert autotune.load(path) == 1
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert [e["kernel"] for e in autotune.entries()] == [entry["kernel"]]
+    assert aten_override.stats()["compiled_tuning"]["signatures"] == 1
+    check_against_native(ours, call_native(args), output_mask=args[-1])
+
+
 @pytest.mark.parametrize("damage", ["stale cpu_model", "stale build_id", "corrupt"])
 def test_stale_or_corrupt_results_file_is_ignored_with_a_message(tmp_path, caplog, damage):
     args = depthwise_call(8, 10)
