@@ -24,7 +24,8 @@ does not leak and never lingers.
 
 The compiled kernels keep their large temporaries between calls (``_C.workspace()``,
 csrc/cpu/workspace.h: at most 256 MiB by default). Leaving the last ``push`` frees them the first
-time; once a registration follows another (a per-step or per-epoch ``enable()``), they are kept
+time; from the second ``enable("compiled")`` block that registers our kernel afresh (a per-step or
+per-epoch ``enable()``; not a nested block, a ``trace()`` or another backend's block), they are kept
 between blocks until :func:`release` or interpreter exit, so each block does not fault its
 temporaries in afresh (bench_training.py, which leaves ``enable()`` after every compiled step:
 R(2+1)D-18's bfloat16 ``gemm-kn2row`` temporal layer 156-217 ms a step freed, 70-80 kept, against
@@ -131,9 +132,10 @@ class _State:
         self.registered_at: deque = deque(maxlen=LINGER_AFTER)
         # set once per-step use is seen; cleared by release() and interpreter exit
         self.linger = False
-        # registrations (of either kind) since release() or start: from the second on, leaving the last
-        # push keeps the compiled kernels' temporaries (see the module's docstring)
-        self.registrations = 0
+        # enable("compiled") blocks that registered our kernel afresh since release() or start (not a
+        # switch between the C++ and the Python registration, not a nested block): from the second on,
+        # leaving the last push keeps the compiled kernels' temporaries (see the module's docstring)
+        self.compiled_blocks = 0
 
 
 _state = _State()
@@ -303,12 +305,14 @@ def _compiled_extension():
 
 def _register() -> None:
     ext = _compiled_extension()
+    afresh = _state.library is None  # (not a switch between the C++ and the Python registration)
     if _state.library is not None:
         if isinstance(_state.library, _CompiledRegistration) == (ext is not None):
             return
         _deregister()
+    if afresh and _state.active is backends._IMPLS[backends.Backend.COMPILED]:
+        _state.compiled_blocks += 1
     originals = _capture_originals()
-    _state.registrations += 1
     if ext is not None:
         _state.library = _CompiledRegistration(ext)
         _state.originals = originals
@@ -332,7 +336,7 @@ def _deregister() -> None:
     lib, _state.library = _state.library, None
     if lib is not None:
         lib._destroy()
-    if _state.registrations <= 1:
+    if _state.compiled_blocks <= 1:
         _release_workspace()
 
 
@@ -366,8 +370,8 @@ def release() -> bool:
     """Destroy an idle, lingering registration now: the dispatcher table is exactly as before
     (``torch._C._dispatch_dump("aten::convolution_backward")``), and the next ``enable()`` cycles
     start counting towards :data:`LINGER_AFTER` afresh, and the compiled kernels' kept temporaries
-    (``_C.workspace()``), kept between blocks once a registration followed another, are freed (the
-    next block's exit frees them again, until a re-entry is seen anew). Does nothing while a backend
+    (``_C.workspace()``), kept between blocks from the second ``enable("compiled")`` block on, are
+    freed (the next block's exit frees them again, and the count starts over). Does nothing while a backend
     is enabled, :func:`pin` holds it or a trace observes. Returns whether a registration was
     destroyed."""
     with _state.lock:
@@ -375,7 +379,7 @@ def release() -> bool:
             return False
         _state.registered_at.clear()
         _state.linger = False
-        _state.registrations = 0
+        _state.compiled_blocks = 0
         if _state.library is None:
             _release_workspace()
             return False
@@ -494,9 +498,10 @@ def stats() -> dict[str, object]:
     (CPUs with ``clflushopt``; 0 elsewhere, or where the call's tensors exceed the caches), when any
     signature was tuned; ``"compiled_rescaled": n`` the calls it computed on operands x 2^k because
     their gradients underflow (``_C.subnormal_cost()``), when any; ``"compiled_non_finite": {"declined":
-    n, "skipped": m}`` the calls whose inf / NaN the chosen kernel of ours declined (native computed
-    them after it) and those sent to native without running it (their signature's last call was
-    declined and an operand still holds an inf / NaN), when any."""
+    n, "skipped": m}`` the declines of a chosen kernel of ours (an inf / NaN: native computed the call
+    after it; a call served rescaled and retried may decline twice) and the calls sent to native
+    without running it (their signature's last call was declined and an operand still holds an inf /
+    NaN; never in deterministic mode), when any."""
     with _state.counts_lock:
         counts = Counter(_state.counts)
         reasons = Counter(_state.fallback_reasons)
@@ -553,6 +558,6 @@ def _restore_at_exit() -> None:
         _state.active = None
         _state.observer = None
         _state.linger = False
-        _state.registrations = 0
+        _state.compiled_blocks = 0
         _deregister()
 

@@ -2250,11 +2250,14 @@ bool may_decline(Kernel k) {
 // Signatures whose last call a kernel of ours declined. A non-finite grad_weight (or Winograd's
 // grad_input) is only found after the kernel computed it, and reference_kernel then computes the call
 // again: twice its time, on every layer of every step whose backward carries an inf / NaN (a float16
-// GradScaler's overflowing steps, a diverging run; R(2+1)D-18's bfloat16 step at one thread took 1.06x
-// native's time, its gemm-kn2row layers 1.3-1.9x native's). The next calls of such a signature first
-// read their operands (all_finite: one pass, memory speed) and go to reference_kernel unoffered while an
-// inf / NaN is there; a finite call runs the choice and clears the mark. `count` keeps every other
-// call free of the lookup (no signature is computed while it is 0).
+// GradScaler's overflowing steps, a diverging run). The next calls of such a signature first read
+// their operands (all_finite: one pass, memory speed) and go to reference_kernel unoffered while an
+// inf / NaN is there; a finite call runs the choice and clears the mark. The operands' test is wider
+// than a decline (an inf no tap reads declines nothing): such a call gets native's result, so under
+// torch.use_deterministic_algorithms(True), where a call's bits must not depend on what ran before,
+// nothing is marked or skipped. Calls whose finite operands overflow (float16) are still computed
+// twice. `count` keeps every other call free of the lookup (no signature is computed while it is 0);
+// autotune_clear() forgets the marks.
 struct Declining {
   static constexpr size_t kMaxSignatures = 1024;  // a bound on memory: past it the marks start over
   std::mutex mutex;
@@ -2276,6 +2279,11 @@ struct Declining {
     signatures.erase(key);
     count.store(static_cast<int64_t>(signatures.size()), std::memory_order_relaxed);
   }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex);
+    signatures.clear();
+    count.store(0, std::memory_order_relaxed);
+  }
 };
 
 Declining& declining() {
@@ -2291,12 +2299,13 @@ bool operands_finite(const Args& a) {
 
 // The choice for a checked call of class `cls` and its result (reference_kernel's: native's, where the
 // choice declines the call's values, or where its signature's last call was declined and the call's
-// operands are not finite: Declining).
+// operands are not finite: Declining, not in deterministic mode).
 std::pair<Choice, Result> choose_and_run(const Args& a, const Expanded& e, LayerClass cls) {
   Choice choice = choose_kernel(a, e, cls);
   std::optional<Result> result;
   bool offered = true;
-  if (a.grad_output.is_cpu() && (may_decline(choice.gi) || may_decline(choice.gw))) {
+  if (a.grad_output.is_cpu() && (may_decline(choice.gi) || may_decline(choice.gw)) &&
+      !at::globalContext().deterministicAlgorithms()) {
     auto& d = declining();
     std::optional<Signature> key;
     bool marked = false;
@@ -2856,6 +2865,7 @@ void py_autotune_clear() {
   auto& tuner = autotuner();
   std::lock_guard<std::recursive_mutex> tuning(tuner.tuning_mutex);  // the order choose_kernel takes them in
   tuner.inconclusive.clear();
+  declining().clear();
   std::unique_lock<std::shared_mutex> lock(tuner.table_mutex);
   tuner.table.clear();
 }
@@ -3054,7 +3064,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "results table; times and tuning cost are empty / 0 for loaded entries.");
   m.def("autotune_load", &py_autotune_load,
         "Add [(signature, kernel)] entries to the results table; returns how many were taken.");
-  m.def("autotune_clear", &py_autotune_clear, "Forget every tuned signature.");
+  m.def("autotune_clear", &py_autotune_clear,
+        "Forget every tuned signature (and which signatures' last call a kernel declined).");
   m.def("last_call", &py_last_call,
         "What the last compiled call of this thread ran: {'kernel', 'tuned', 'times_us', 'rejected', "
         "'rescale_exponent'} (k > 0: computed on grad_output, or input and weight, x 2^k, its results x 2^-k).");

@@ -11,8 +11,9 @@
 // size, or a new block (c10::alloc_cpu: 64-byte aligned, on huge pages where c10's
 // THP_MEM_ALLOC_ENABLE asks for them); smaller requests are at::empty's. When its tensor dies, the block
 // is kept unless that would take the kept bytes over the limit (then it is freed). release() frees the
-// kept blocks; the registration does so when our kernel leaves the dispatcher. Thread-safe: a block
-// serves one tensor at a time.
+// kept blocks; the registration does so when the first enable("compiled") block leaves the dispatcher,
+// and from the second such block on only aten_override.release() and interpreter exit do
+// (aten_override/_registration.py). Thread-safe: a block serves one tensor at a time.
 #pragma once
 
 #include <ATen/ATen.h>
