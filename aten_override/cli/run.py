@@ -41,24 +41,27 @@ from . import positive_int
 HELP = "run a Python script or module (-m) with the override enabled, optionally tracing every call"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, *, choosing: bool = True) -> None:
+    """``run``'s options; ``choosing=False`` (``tune``) leaves out ``--backend`` and ``--autotune``, which
+    ``tune`` sets itself (the compiled backend, measuring into its results file)."""
     from ..backends import Backend
 
-    parser.add_argument(
-        "--backend",
-        default=Backend.AUTO.value,
-        metavar="B",
-        help="backend serving aten::convolution_backward: "
-        + ", ".join(b.value for b in Backend)
-        + ", or module:function (a function with the aten signature) (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--autotune",
-        metavar="on|off|FILE",
-        help="the compiled backend's kernel choice: time candidates per call signature (on), the layer-class "
-        "table (off), or on with a results file read at start and written at exit (default: "
-        "$ATEN_OVERRIDE_AUTOTUNE, else on)",
-    )
+    if choosing:
+        parser.add_argument(
+            "--backend",
+            default=Backend.AUTO.value,
+            metavar="B",
+            help="backend serving aten::convolution_backward: "
+            + ", ".join(b.value for b in Backend)
+            + ", or module:function (a function with the aten signature) (default: %(default)s)",
+        )
+        parser.add_argument(
+            "--autotune",
+            metavar="on|off|FILE",
+            help="the compiled backend's kernel choice: time candidates per call signature (on), the layer-class "
+            "table (off), or on with a results file read at start and written at exit (default: "
+            "$ATEN_OVERRIDE_AUTOTUNE, else on)",
+        )
     parser.add_argument(
         "--trace", metavar="FILE",
         help="record every call, streamed to FILE as JSON lines while the program runs (read it with trace-summary)",

@@ -22,21 +22,17 @@ HELP = "run a script or module (-m) once with the compiled backend to fill an au
 
 
 def add_arguments(parser) -> None:
-    run.add_arguments(parser)
+    run.add_arguments(parser, choosing=False)  # (no --backend / --autotune: a new user found them listed, then refused)
     parser.add_argument(
         "--file",
         help=f"the results file to extend (default: ${{ATEN_OVERRIDE_AUTOTUNE}} if it is a path, else {DEFAULT_FILE})",
     )
-    parser.set_defaults(backend="compiled")
+    parser.set_defaults(backend="compiled", autotune=None)
 
 
 def main(args) -> int:
     from .. import autotune
 
-    if args.backend not in ("compiled", "auto"):
-        args._parser.error(f"--backend {args.backend}: only the compiled backend (or auto) chooses kernels by measuring")
-    if args.autotune is not None:
-        args._parser.error("--autotune: tune always measures; give the results file with --file")
     args.file = args.file or autotune.setting().path or DEFAULT_FILE
     args.autotune = args.file
     code = run.main(args)

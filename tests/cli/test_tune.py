@@ -54,3 +54,12 @@ def test_tune_rejects_options_it_cannot_honour(tmp_path, options):
     proc = run_python(["-m", "aten_override", "tune", "--file", str(tmp_path / "t.json"), *options, str(script)])
     assert proc.returncode == 2 and options[0] in proc.stderr, proc.stderr
     assert not (tmp_path / "t.json").exists()
+
+
+def test_tune_help_lists_only_options_it_honours():
+    """tune sets the backend and the autotune setting itself: its help must not offer --backend or
+    --autotune (a new user found them listed, with run's choices, then refused)."""
+    proc = run_python(["-m", "aten_override", "tune", "--help"])
+    assert proc.returncode == 0, proc.stderr
+    assert "--file" in proc.stdout and "--trace-every" in proc.stdout, proc.stdout
+    assert "--backend" not in proc.stdout and "--autotune" not in proc.stdout, proc.stdout
