@@ -37,6 +37,11 @@ import tempfile
 import threading
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # (not on Windows: saving does not lock there)
+    fcntl = None
+
 import torch
 
 from . import _machine
@@ -189,10 +194,12 @@ def load(path: str | os.PathLike) -> int:
         stale = _stale_reason(data["header"])
         rows = [(str(r["signature"]), str(r["kernel"])) for r in data["entries"]]
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
-        log.warning("aten_override: ignoring autotune results file %s: unreadable (%s: %s)", path, type(e).__name__, e)
+        log.warning("aten_override: ignoring autotune results file %s: unreadable (%s: %s); results written "
+                    "to it replace it", path, type(e).__name__, e)
         return 0
     if stale is not None:
-        log.warning("aten_override: ignoring autotune results file %s: measured elsewhere (%s)", path, stale)
+        log.warning("aten_override: ignoring autotune results file %s: measured elsewhere (%s); results "
+                    "written to it replace it (keep one file per machine and build)", path, stale)
         return 0
     taken = ext.autotune_load(rows)
     for row in data["entries"]:  # dicts with a signature and a kernel: `rows` above read them
@@ -206,22 +213,51 @@ def load(path: str | os.PathLike) -> int:
 _save_lock = threading.Lock()
 
 
+def _entries_on_disk(path: Path) -> list[dict]:
+    """The entries of the results file at ``path`` that another process of this machine wrote (header
+    matching this process; each with a signature and a kernel, its measurements as :func:`_record_of`
+    reads them, empty where malformed); ``[]`` for a missing, unreadable or stale file."""
+    try:
+        data = json.loads(path.read_text())
+        if _stale_reason(data["header"]) is not None:
+            return []
+        rows = [r for r in data["entries"] if isinstance(r, dict) and "signature" in r and "kernel" in r]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return []
+    empty = {"times_us": {}, "rejected": {}, "tune_us": 0.0}
+    return [{"signature": str(r["signature"]), **empty, **(_record_of(r) or {"kernel": str(r["kernel"])})} for r in rows]
+
+
 def save(path: str | os.PathLike) -> int:
     """Write the table (with :func:`header`) to ``path``, atomically; returns the number of entries.
-    Entries loaded from a file keep the measurements it recorded for them."""
+    Entries loaded from a file keep the measurements it recorded for them. Entries the file holds now
+    that this process's table lacks (written by another process since it was read: two DDP ranks, two
+    scripts sharing ``ATEN_OVERRIDE_AUTOTUNE``) are kept, read again under an exclusive lock of the
+    file's directory (``fcntl.flock``, where there is one); a file measured elsewhere, or unreadable, is
+    replaced."""
     path = Path(path)
     rows = [_as_recorded(row) for row in entries()]
-    data = {"header": header(), "entries": rows}
     with _save_lock:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        # the directory is locked while the file is read and replaced (no lock file left behind)
+        directory = os.open(path.parent, os.O_RDONLY) if fcntl is not None else None
         try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+            if directory is not None:
+                fcntl.flock(directory, fcntl.LOCK_EX)
+            ours = {row["signature"] for row in rows}
+            rows += [row for row in _entries_on_disk(path) if row["signature"] not in ours]
+            data = {"header": header(), "entries": rows}
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(data, f, indent=1)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        finally:
+            if directory is not None:
+                os.close(directory)  # (releases the lock)
     return len(rows)
 
 

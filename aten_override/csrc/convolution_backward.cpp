@@ -2205,7 +2205,13 @@ Choice usable_choice(Choice tuned, Kernel static_choice, const Args& a, const Ex
   return ok ? tuned : Choice::whole(static_choice);
 }
 
-// What serves a call of class `cls`: the table's kernel, or the tuned choice (tuning it first).
+bool operands_finite(const Args& a);
+
+// What serves a call of class `cls`: the table's kernel, or the tuned choice (tuning it first). A call
+// of an untuned signature with an inf / NaN in its operands is not tuned: our kernels would decline it
+// (they cannot be timed on it), so reference_kernel serves it and the signature waits for a finite
+// call (a float16 GradScaler's first, overflowing steps left every signature on native before: three
+// inconclusive tunings in a row were stored).
 Choice choose_kernel(const Args& a, const Expanded& e, LayerClass cls) {
   const Kernel static_choice = static_kernel(cls, a, e);
   if (static_choice_only(cls, a, e)) return Choice::whole(static_choice);
@@ -2213,6 +2219,7 @@ Choice choose_kernel(const Args& a, const Expanded& e, LayerClass cls) {
   const Signature key = signature(a);
   const auto usable = [&](Choice c) { return usable_choice(c, static_choice, a, e); };
   if (auto choice = tuned_choice(key)) return usable(*choice);
+  if (!operands_finite(a)) return Choice::whole(reference_kernel(a, e));
   std::lock_guard<std::recursive_mutex> tuning(tuner.tuning_mutex);
   if (auto choice = tuned_choice(key)) return usable(*choice);  // another thread tuned it meanwhile
   Tuned tuned = tune(a, e, static_choice);
@@ -2304,8 +2311,8 @@ std::pair<Choice, Result> choose_and_run(const Args& a, const Expanded& e, Layer
   Choice choice = choose_kernel(a, e, cls);
   std::optional<Result> result;
   bool offered = true;
-  if (a.grad_output.is_cpu() && (may_decline(choice.gi) || may_decline(choice.gw)) &&
-      !at::globalContext().deterministicAlgorithms()) {
+  const bool checked = a.grad_output.is_cpu() && (may_decline(choice.gi) || may_decline(choice.gw));
+  if (checked && !at::globalContext().deterministicAlgorithms()) {
     auto& d = declining();
     std::optional<Signature> key;
     bool marked = false;
@@ -2323,6 +2330,7 @@ std::pair<Choice, Result> choose_and_run(const Args& a, const Expanded& e, Layer
     }
   } else {
     result = run_choice(choice, a, e);
+    if (checked && !result) counters().declined.fetch_add(1, std::memory_order_relaxed);
   }
   if (!result) {
     if (!offered) counters().skipped.fetch_add(1, std::memory_order_relaxed);
