@@ -176,6 +176,27 @@ def clear() -> None:
     _loaded_records.clear()
 
 
+# What reading a results file can raise (a missing or malformed field, a non-JSON file, nesting too deep).
+_UNREADABLE = (OSError, ValueError, KeyError, TypeError, RecursionError)
+
+
+def _unreadable(e: BaseException) -> str:
+    return f"unreadable ({type(e).__name__}: {e})"
+
+
+def _read_file(path: Path) -> tuple[dict | None, str | None]:
+    """``(data, why)`` of the results file at ``path``: its parsed JSON (``None`` where unreadable) and
+    why it is not used: ``None``, ``"unreadable (<error>)"``, or ``"measured elsewhere (<what
+    differs>)"`` (:func:`_stale_reason`). ``data["entries"]`` exists and has a length."""
+    try:
+        data = json.loads(path.read_text())
+        stale = _stale_reason(data["header"])
+        len(data["entries"])
+    except _UNREADABLE as e:
+        return None, _unreadable(e)
+    return data, None if stale is None else f"measured elsewhere ({stale})"
+
+
 def load(path: str | os.PathLike) -> int:
     """Add the valid entries of the results file ``path`` to the table; returns how many were taken.
     A signature the table already holds (tuned in this process, or read before: each
@@ -189,17 +210,15 @@ def load(path: str | os.PathLike) -> int:
     ext = _ext()
     if ext is None or not path.exists():
         return 0
-    try:
-        data = json.loads(path.read_text())
-        stale = _stale_reason(data["header"])
-        rows = [(str(r["signature"]), str(r["kernel"])) for r in data["entries"]]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
-        log.warning("aten_override: ignoring autotune results file %s: unreadable (%s: %s); results written "
-                    "to it replace it", path, type(e).__name__, e)
-        return 0
-    if stale is not None:
-        log.warning("aten_override: ignoring autotune results file %s: measured elsewhere (%s); results "
-                    "written to it replace it (keep one file per machine and build)", path, stale)
+    data, why = _read_file(path)
+    if why is None:
+        try:
+            rows = [(str(r["signature"]), str(r["kernel"])) for r in data["entries"]]
+        except _UNREADABLE as e:
+            why = _unreadable(e)
+    if why is not None:
+        log.warning("aten_override: ignoring autotune results file %s: %s; results written to it replace it "
+                    "(keep one file per machine and build)", path, why)
         return 0
     taken = ext.autotune_load(rows)
     for row in data["entries"]:  # dicts with a signature and a kernel: `rows` above read them
@@ -217,13 +236,10 @@ def _entries_on_disk(path: Path) -> list[dict]:
     """The entries of the results file at ``path`` that another process of this machine wrote (header
     matching this process; each with a signature and a kernel, its measurements as :func:`_record_of`
     reads them, empty where malformed); ``[]`` for a missing, unreadable or stale file."""
-    try:
-        data = json.loads(path.read_text())
-        if _stale_reason(data["header"]) is not None:
-            return []
-        rows = [r for r in data["entries"] if isinstance(r, dict) and "signature" in r and "kernel" in r]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+    data, why = _read_file(path)
+    if why is not None:
         return []
+    rows = [r for r in data["entries"] if isinstance(r, dict) and "signature" in r and "kernel" in r]
     empty = {"times_us": {}, "rejected": {}, "tune_us": 0.0}
     return [{"signature": str(r["signature"]), **empty, **(_record_of(r) or {"kernel": str(r["kernel"])})} for r in rows]
 
@@ -268,13 +284,10 @@ def file_info(path: str | os.PathLike) -> dict:
     if not path.exists():
         out["why"] = "no such file"
         return out
-    try:
-        data = json.loads(path.read_text())
+    data, why = _read_file(path)
+    if data is not None:
         out["entries"] = len(data["entries"])
-        out["why"] = _stale_reason(data["header"])
-        out["valid"] = out["why"] is None
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
-        out["why"] = f"unreadable ({type(e).__name__}: {e})"
+    out["why"], out["valid"] = why, why is None
     return out
 
 
